@@ -1,0 +1,70 @@
+/*
+ * params.h: reading and checking sf_params, shared by the backends' host code.
+ */
+#ifndef SF_PARAMS_H
+#define SF_PARAMS_H
+
+#include <math.h>
+
+#include "specfast.h"
+
+typedef struct sf_rowparams {
+    float temperature; /* 0 = greedy */
+    int32_t top_k;
+    float top_p, min_p;
+    uint64_t seed;
+    int64_t position;
+} sf_rowparams;
+
+#define SF_PICK(p, field, b) ((p)->field[(p)->n_##field == 1 ? 0 : (b)])
+
+static inline void sf_params_get(const sf_params *p, int64_t b, sf_rowparams *r) {
+    r->temperature = SF_PICK(p, temperature, b);
+    r->top_k = SF_PICK(p, top_k, b);
+    r->top_p = SF_PICK(p, top_p, b);
+    r->min_p = SF_PICK(p, min_p, b);
+    r->seed = SF_PICK(p, seed, b);
+    r->position = SF_PICK(p, position, b);
+    /* A temperature whose inverse overflows float is greedy in all but name. */
+    if (r->temperature > 0.0f && !(1.0f / r->temperature < INFINITY))
+        r->temperature = 0.0f;
+}
+
+/* Checks the shape of `p` for `batch` requests and every value; on a bad
+ * value sets *index to the request. */
+static inline sf_status sf_params_check(const sf_params *p, int64_t batch,
+                                        int64_t *index) {
+    *index = -1;
+    if (!p || !p->temperature || !p->top_k || !p->top_p || !p->min_p ||
+        !p->seed || !p->position)
+        return SF_ERR_ARGUMENT;
+    const int64_t n[6] = {p->n_temperature, p->n_top_k, p->n_top_p,
+                          p->n_min_p, p->n_seed, p->n_position};
+    for (int i = 0; i < 6; i++)
+        if (n[i] != 1 && n[i] != batch) return SF_ERR_SHAPE;
+    for (int64_t b = 0; b < batch; b++) {
+        sf_rowparams r;
+        sf_params_get(p, b, &r);
+        if (!(r.temperature >= 0.0f && r.temperature < INFINITY) || r.top_k < 0 ||
+            !(r.top_p > 0.0f && r.top_p <= 1.0f) ||
+            !(r.min_p >= 0.0f && r.min_p <= 1.0f)) {
+            *index = b;
+            return SF_ERR_PARAM;
+        }
+    }
+    return SF_OK;
+}
+
+static inline int sf_dtype_size(sf_dtype d) { return d == SF_F32 ? 4 : 2; }
+
+static inline sf_status sf_logits_check(const sf_logits *l) {
+    if (!l || (!l->data && l->rows > 0)) return SF_ERR_ARGUMENT;
+    if (l->dtype != SF_F32 && l->dtype != SF_F16 && l->dtype != SF_BF16)
+        return SF_ERR_ARGUMENT;
+    if (l->vocab < 1 || l->vocab > SF_MAX_VOCAB || l->rows < 0 ||
+        l->row_stride < l->vocab)
+        return SF_ERR_SHAPE;
+    return SF_OK;
+}
+
+#endif /* SF_PARAMS_H */

@@ -1,0 +1,34 @@
+/* Picks the row kernels for this CPU once; SPECFAST_SIMD may lower the level
+ * (scalar, avx2, avx512), for tests and for machines that throttle wide
+ * vectors. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static const sf_kernels *pick(void) {
+    int level = 0;
+#if defined(SF_X86_LEVELS)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) level = 1;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        level = 2;
+#endif
+    const char *want = getenv("SPECFAST_SIMD");
+    if (want && strcmp(want, "scalar") == 0) level = 0;
+    if (want && strcmp(want, "avx2") == 0 && level > 1) level = 1;
+#if defined(SF_X86_LEVELS)
+    if (level == 2) return &sf_kernels_avx512;
+    if (level == 1) return &sf_kernels_avx2;
+#endif
+    return &sf_kernels_scalar;
+}
+
+const sf_kernels *sf_cpu_kernels(void) {
+    static const sf_kernels *chosen; /* benign race: every thread picks the same */
+    if (!chosen) chosen = pick();
+    return chosen;
+}
+
+SF_API const char *sf_simd_level(void) { return sf_cpu_kernels()->name; }

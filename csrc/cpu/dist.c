@@ -1,0 +1,255 @@
+/* dist.c: a row's target distribution (filters without sorting the row) and
+ * the residuals of recursive rejection sampling. */
+#include "dist.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "rowmath.h"
+
+/* Tokens between two top-p pivots that are sorted rather than bisected. */
+#define SF_TOP_P_SORT 4096
+
+/* Sort key of a candidate: ascending keys are (logit descending, id
+ * ascending). -0 counts as +0, as the float comparisons of the cut do. */
+static uint64_t rank_key(float l, int32_t id) {
+    uint32_t u = l == 0.0f ? 0u : sf_f2u(l);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((uint64_t)~u << 32) | (uint32_t)id;
+}
+static float key_logit(uint64_t key) {
+    uint32_t u = ~(uint32_t)(key >> 32);
+    return sf_u2f((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
+}
+static int32_t key_id(uint64_t key) { return (int32_t)(uint32_t)key; }
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sorts n candidates into keys[], in rank order. */
+static void sort_candidates(const int32_t *ids, const float *vals, int64_t n,
+                            uint64_t *keys) {
+    for (int64_t i = 0; i < n; i++) keys[i] = rank_key(vals[i], ids[i]);
+    qsort(keys, (size_t)n, sizeof *keys, cmp_u64);
+}
+
+static uint64_t mass_of(const sf_row *r, float l) {
+    return sf_fixed(sf_row_e(r, l));
+}
+
+/* Walks sorted candidates after `base` mass until the prefix reaches `goal`;
+ * sets the cut there. Returns 1 when it did. */
+static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n,
+                       uint64_t base, double goal) {
+    uint64_t prefix = base;
+    for (int64_t i = 0; i < n; i++) {
+        prefix += mass_of(r, key_logit(keys[i]));
+        if ((double)prefix >= goal) {
+            r->cut_logit = key_logit(keys[i]);
+            r->cut_id = key_id(keys[i]);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Mass and count of the tokens with logit >= t (min-p not applied). */
+static void mass_above(const sf_kernels *k, const sf_row *r, float t,
+                       uint64_t *mass, int64_t *count) {
+    sf_row at = *r;
+    at.cut_logit = t;
+    at.cut_id = INT32_MAX;
+    sf_weights_in in = {NULL, 1.0f, NULL};
+    sf_weights_out o;
+    k->weights(&at, &in, NULL, NULL, &o);
+    *mass = o.total;
+    *count = o.kept;
+}
+
+/* Top-p over the whole row: bisect on the logit until few tokens lie between
+ * the pivots, then sort just those. Masses are exact integers, so the cut is
+ * the same whatever the order of the passes. */
+static sf_status cut_top_p_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
+                                float temperature, float top_p) {
+    uint64_t total, m_lo, m_hi = 0, m_mid;
+    int64_t c_lo, c_hi = 0, c_mid;
+    mass_above(k, r, -INFINITY, &total, &c_lo);
+    const double goal = (double)top_p * (double)total;
+    /* Below max - 88 T every weight is 0: such tokens never end the prefix. */
+    float lo = r->max - 88.0f * temperature;
+    if (!(lo > -FLT_MAX)) lo = -FLT_MAX;
+    float hi = INFINITY;
+    m_lo = total;
+    for (;;) {
+        float mid = hi == INFINITY ? r->max : lo * 0.5f + hi * 0.5f;
+        if (c_lo - c_hi <= SF_TOP_P_SORT || mid <= lo || mid >= hi) break;
+        mass_above(k, r, mid, &m_mid, &c_mid);
+        if ((double)m_mid >= goal) { lo = mid; m_lo = m_mid; c_lo = c_mid; }
+        else { hi = mid; m_hi = m_mid; c_hi = c_mid; }
+    }
+    (void)m_lo;
+    const int64_t n = c_lo - c_hi;
+    int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4 + 4);
+    float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)n * 4 + 4);
+    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)n * 8 + 8);
+    if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
+    int64_t got = k->gather(r, lo, hi, ids, vals, n);
+    if (got > n) got = n;
+    sort_candidates(ids, vals, got, keys);
+    cut_at_goal(r, keys, got, m_hi, goal);
+    return SF_OK;
+}
+
+sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
+                        int64_t vocab, int32_t *token) {
+    int bad = 0;
+    float m = k->row_max(data, dtype, vocab, &bad);
+    if (bad) return SF_ERR_LOGITS;
+    if (m == -INFINITY) return SF_ERR_ALL_MASKED;
+    *token = (int32_t)k->row_argmax(data, dtype, vocab, m);
+    return SF_OK;
+}
+
+sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
+                          const void *data, sf_dtype dtype, int64_t vocab,
+                          const sf_rowparams *p, int need_mass) {
+    int bad = 0;
+    float m = k->row_max(data, dtype, vocab, &bad);
+    if (bad) return SF_ERR_LOGITS;
+    if (m == -INFINITY) return SF_ERR_ALL_MASKED;
+    sf_row *r = &d->row;
+    r->data = data;
+    r->dtype = dtype;
+    r->vocab = vocab;
+    r->max = m;
+    r->inv_t = 1.0f / p->temperature;
+    r->cut_logit = -INFINITY;
+    r->cut_id = INT32_MAX;
+    r->min_e = 0.0f;
+
+    int64_t nc = -1; /* sorted top-k candidates, when top-k ran */
+    uint64_t *keys = NULL;
+    if (p->top_k > 0 && p->top_k < vocab) {
+        int64_t cap = 2 * (int64_t)p->top_k + 1024;
+        int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)cap * 4);
+        float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)cap * 4);
+        keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)cap * 8);
+        if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
+        nc = k->topk(r, p->top_k, ids, vals, cap);
+        sort_candidates(ids, vals, nc, keys);
+        if (nc == p->top_k) {
+            r->cut_logit = key_logit(keys[nc - 1]);
+            r->cut_id = key_id(keys[nc - 1]);
+        }
+    }
+    if (p->top_p < 1.0f) {
+        if (nc >= 0) {
+            uint64_t total = 0;
+            for (int64_t i = 0; i < nc; i++) total += mass_of(r, key_logit(keys[i]));
+            cut_at_goal(r, keys, nc, 0, (double)p->top_p * (double)total);
+        } else {
+            sf_status st = cut_top_p_scan(r, k, s, p->temperature, p->top_p);
+            if (st != SF_OK) return st;
+        }
+    }
+    r->min_e = p->min_p;
+
+    d->in.base = NULL;
+    d->in.scale = 1.0f;
+    d->in.q = NULL;
+    d->n_over = 0;
+    d->resid_next = 0;
+    d->total = 0;
+    if (need_mass) {
+        size_t nb = (size_t)((vocab + SF_BLOCK - 1) / SF_BLOCK);
+        d->blocks = sf_scratch_get(s, SF_SLOT_BLOCKS, nb * 8);
+        if (!d->blocks) return SF_ERR_NO_MEMORY;
+        sf_weights_out o;
+        k->weights(r, &d->in, d->blocks, NULL, &o);
+        d->total = o.total;
+    }
+    return SF_OK;
+}
+
+static uint64_t weight(const sf_dist *d, int64_t v) {
+    for (int64_t i = d->n_over - 1; i >= 0; i--)
+        if (d->over_id[i] == v) return d->over_w[i];
+    return sf_weight_at(&d->row, &d->in, v);
+}
+
+double sf_dist_prob(const sf_dist *d, int64_t v) {
+    return (double)weight(d, v) / (double)d->total;
+}
+
+void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
+                           int64_t n) {
+    /* New weights of the ids, all from the old total; ids are distinct. */
+    const double z = (double)d->total;
+    uint64_t total = d->total;
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0) continue;
+        uint64_t w = weight(d, ids[i]);
+        uint64_t sub = (uint64_t)((double)probs[i] * z);
+        uint64_t nw = w > sub ? w - sub : 0;
+        total = total - w + nw;
+        d->over_id[d->n_over + m] = ids[i];
+        d->over_w[d->n_over + m] = nw;
+        m++;
+    }
+    if (total == 0) return; /* q covers all of p (measure zero): keep p */
+    for (int64_t i = 0; i < m; i++) {
+        int32_t id = d->over_id[d->n_over];
+        uint64_t old = weight(d, id);
+        uint64_t *b = &d->blocks[id / SF_BLOCK];
+        *b = *b - old + d->over_w[d->n_over];
+        d->n_over++;
+    }
+    d->total = total;
+}
+
+sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
+                               int more) {
+    sf_weights_in in = {d->in.base, (float)(1099511627776.0 / (double)d->total), q};
+    float *out = more ? d->resid[d->resid_next] : NULL;
+    sf_weights_out o;
+    k->weights(&d->row, &in, d->blocks, out, &o);
+    if (o.q_bad || !(fabsf(o.q_sum - 1.0f) <= 1e-3f)) return SF_ERR_DRAFT_PROBS;
+    if (o.total == 0) {
+        /* p <= q everywhere (p == q up to rounding): keep p. */
+        k->weights(&d->row, &d->in, d->blocks, NULL, &o);
+        return SF_OK;
+    }
+    d->total = o.total;
+    if (more) {
+        d->in.base = out;
+        d->in.scale = 1.0f;
+        d->in.q = NULL;
+        d->resid_next ^= 1;
+    } else {
+        d->in = in;
+    }
+    return SF_OK;
+}
+
+int32_t sf_dist_draw(const sf_dist *d, uint64_t seed, int64_t position) {
+    uint64_t target = sf_draw_target(
+        sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d->total);
+    const int64_t nb = (d->row.vocab + SF_BLOCK - 1) / SF_BLOCK;
+    uint64_t cum = 0;
+    int64_t b = 0;
+    while (b < nb - 1 && cum + d->blocks[b] <= target) cum += d->blocks[b++];
+    int64_t end = (b + 1) * SF_BLOCK < d->row.vocab ? (b + 1) * SF_BLOCK : d->row.vocab;
+    int64_t last = -1;
+    for (int64_t v = b * SF_BLOCK; v < end; v++) {
+        uint64_t w = weight(d, v);
+        if (!w) continue;
+        cum += w;
+        last = v;
+        if (cum > target) return (int32_t)v;
+    }
+    return (int32_t)last; /* unreachable: the sums are exact */
+}

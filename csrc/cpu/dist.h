@@ -1,0 +1,57 @@
+/*
+ * dist.h: one row's target distribution, and the residual that recursive
+ * rejection sampling carries across the siblings of a node.
+ *
+ * A distribution is a set of integer weights w(v) (sf_weight_at) with their
+ * exact total and per-block sums; p(v) = w(v) / total. Rejecting a sibling
+ * with a one-hot or sparse q patches a few weights (overrides); rejecting one
+ * with a dense q runs a weights pass that forms max(0, p - q).
+ */
+#ifndef SF_CPU_DIST_H
+#define SF_CPU_DIST_H
+
+#include "../common/params.h"
+#include "kernels.h"
+#include "pool.h"
+
+typedef struct sf_dist {
+    sf_row row;
+    sf_weights_in in;  /* where w(v) comes from */
+    uint64_t total;
+    uint64_t *blocks;  /* per-SF_BLOCK sums of w, in scratch */
+    float *resid[2];   /* residual buffers, in scratch */
+    int resid_next;    /* which buffer the next dense rejection writes */
+    int64_t n_over;    /* overridden weights (one-hot / sparse rejections) */
+    int32_t *over_id;
+    uint64_t *over_w;
+} sf_dist;
+
+
+/* Reads a row's max and finds the cut of its filters (temperature > 0).
+ * With need_mass, also forms its weights, total and block sums in `d`.
+ * Returns SF_ERR_LOGITS or SF_ERR_ALL_MASKED for a bad row. */
+sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
+                          const void *data, sf_dtype dtype, int64_t vocab,
+                          const sf_rowparams *p, int need_mass);
+
+/* Greedy token of a row (the first largest logit), or an error status. */
+sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
+                        int64_t vocab, int32_t *token);
+
+/* p(v) of the current distribution. */
+double sf_dist_prob(const sf_dist *d, int64_t v);
+
+/* The residual after rejecting a sibling drawn from a sparse q (n ids and
+ * probabilities; ids -1 are skipped) or a one-hot q (n = 1, prob 1). */
+void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
+                           int64_t n);
+
+/* The residual after rejecting a sibling drawn from the dense q row; `more`
+ * says whether later siblings will need it as a base. Validates q. */
+sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
+                               int more);
+
+/* Inverse-CDF draw of one token with Philox at (seed, position, DRAW). */
+int32_t sf_dist_draw(const sf_dist *d, uint64_t seed, int64_t position);
+
+#endif /* SF_CPU_DIST_H */

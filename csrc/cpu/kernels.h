@@ -1,0 +1,82 @@
+/*
+ * kernels.h: the row kernels of the CPU backend, one table per SIMD level.
+ *
+ * kernels_impl.h holds one body of plain C written in 16-lane blocks; it is
+ * compiled once per level (kernels_scalar.c, kernels_avx2.c,
+ * kernels_avx512.c) and dispatch.c picks a table at run time. Reductions keep
+ * 16 fixed lanes and integer masses, so every level returns the same bits.
+ */
+#ifndef SF_CPU_KERNELS_H
+#define SF_CPU_KERNELS_H
+
+#include <stdint.h>
+
+#include "specfast.h"
+
+#define SF_LANES 16
+#define SF_BLOCK 256 /* elements per block sum of an inverse-CDF draw */
+
+/* Which tokens of a row are kept, and how their weights are formed. A token v
+ * with logit l is kept when (l > cut_logit || (l == cut_logit && v <= cut_id))
+ * and its e = exp((l - max) * inv_t) >= min_e. */
+typedef struct sf_row {
+    const void *data; /* the row's logits */
+    sf_dtype dtype;
+    int64_t vocab;
+    float max, inv_t;
+    float cut_logit;
+    int32_t cut_id;
+    float min_e;
+} sf_row;
+
+/* Where a weights pass takes its base values b(v): from the row (b = e when
+ * kept, else 0) or, when `base` is not NULL, from base[v] (a stored residual).
+ * The weight is w(v) = floor(max(0, b(v) * scale - q(v)) * 2^40) with q = 0
+ * when `q` is NULL. */
+typedef struct sf_weights_in {
+    const float *base;
+    float scale;
+    const float *q; /* dense draft probabilities of the row, or NULL */
+} sf_weights_in;
+
+typedef struct sf_weights_out {
+    uint64_t total;   /* sum of w */
+    int64_t kept;     /* tokens with a kept logit (row source only) */
+    float q_sum;      /* sum of q, when q is read */
+    int q_bad;        /* a q value negative, NaN or infinite */
+} sf_weights_out;
+
+typedef struct sf_kernels {
+    const char *name;
+    /* Largest logit; *bad is set when a NaN or +inf is met. */
+    float (*row_max)(const void *row, sf_dtype dtype, int64_t vocab, int *bad);
+    /* First index whose logit equals `max` (the row's largest). */
+    int64_t (*row_argmax)(const void *row, sf_dtype dtype, int64_t vocab,
+                          float max);
+    /* Weights pass over the row: returns the sums; when `blocks` is not NULL
+     * stores the sum of each SF_BLOCK tokens; when `resid` is not NULL stores
+     * max(0, b * scale - q) per token (it may alias in->base). */
+    void (*weights)(const sf_row *row, const sf_weights_in *in,
+                    uint64_t *blocks, float *resid, sf_weights_out *out);
+    /* Gumbel-max over the kept tokens: argmax of (l - max) * inv_t + G(v),
+     * G from Philox at (seed, position, NOISE, v / 4); lowest id on ties. */
+    int64_t (*coupled_argmax)(const sf_row *row, uint64_t seed, int64_t position);
+    /* Writes the ids and logits of tokens with lo <= l < hi (at most `cap`)
+     * and returns how many there are. */
+    int64_t (*gather)(const sf_row *row, float lo, float hi, int32_t *ids,
+                      float *vals, int64_t cap);
+    /* The top k tokens by (logit descending, id ascending), unordered, into
+     * ids/vals (capacity cap >= 2 k); returns how many (fewer than k only
+     * when the row has fewer finite logits). */
+    int64_t (*topk)(const sf_row *row, int64_t k, int32_t *ids, float *vals,
+                    int64_t cap);
+} sf_kernels;
+
+extern const sf_kernels sf_kernels_scalar;
+extern const sf_kernels sf_kernels_avx2;
+extern const sf_kernels sf_kernels_avx512;
+
+/* The table chosen for this CPU (and SPECFAST_SIMD). */
+const sf_kernels *sf_cpu_kernels(void);
+
+#endif /* SF_CPU_KERNELS_H */

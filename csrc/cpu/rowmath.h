@@ -1,0 +1,60 @@
+/*
+ * rowmath.h: per-token arithmetic shared by the vector passes and the scalar
+ * code that revisits single tokens (an acceptance test, the token inside a
+ * drawn block). Both call these functions, so both get the same bits.
+ */
+#ifndef SF_CPU_ROWMATH_H
+#define SF_CPU_ROWMATH_H
+
+#include "../common/shared.h"
+#include "kernels.h"
+
+static inline float sf_load(const void *row, sf_dtype dtype, int64_t v) {
+    switch (dtype) {
+    case SF_F16: return sf_f16_to_f32(((const uint16_t *)row)[v]);
+    case SF_BF16: return sf_bf16_to_f32(((const uint16_t *)row)[v]);
+    default: return ((const float *)row)[v];
+    }
+}
+
+/* The cut of the filters: (logit descending, id ascending) order. */
+static inline int sf_above_cut(const sf_row *r, float l, int64_t v) {
+    return (l > r->cut_logit) | ((l == r->cut_logit) & (v <= r->cut_id));
+}
+
+static inline float sf_row_e(const sf_row *r, float l) {
+    return sf_exp(SF_FMUL(SF_FSUB(l, r->max), r->inv_t));
+}
+
+/* Base value of a token read from the row: e when kept, else 0. */
+static inline float sf_row_base(const sf_row *r, float l, int64_t v) {
+    float e = sf_row_e(r, l);
+    return (sf_above_cut(r, l, v) & (e >= r->min_e)) ? e : 0.0f;
+}
+
+/* max(0, b * scale - q); NaN becomes 0 (bad q is reported separately). */
+static inline float sf_resid(float b, float scale, float q) {
+    float x = SF_FSUB(SF_FMUL(b, scale), q);
+    return x > 0.0f ? x : 0.0f;
+}
+
+/* floor(r * 2^40) for 0 <= r < 2048, through two exact 20-bit halves so
+ * that vector units without float-to-int64 conversion compute it too. */
+static inline int32_t sf_fixed_hi(float r) { return (int32_t)(r * 1048576.0f); }
+static inline int32_t sf_fixed_lo(float r, int32_t hi) {
+    return (int32_t)((r * 1048576.0f - (float)hi) * 1048576.0f);
+}
+static inline uint64_t sf_fixed(float r) {
+    int32_t hi = sf_fixed_hi(r);
+    return ((uint64_t)hi << 20) + (uint64_t)sf_fixed_lo(r, hi);
+}
+
+/* A token's weight as the weights pass computes it. */
+static inline uint64_t sf_weight_at(const sf_row *r, const sf_weights_in *in,
+                                    int64_t v) {
+    float b = in->base ? in->base[v]
+                       : sf_row_base(r, sf_load(r->data, r->dtype, v), v);
+    return sf_fixed(sf_resid(b, in->scale, in->q ? in->q[v] : 0.0f));
+}
+
+#endif /* SF_CPU_ROWMATH_H */

@@ -1,0 +1,209 @@
+/* verify.c: sf_verify on the CPU: chains and trees, one request per task. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/params.h"
+#include "../common/shared.h"
+#include "dist.h"
+
+typedef struct verify_ctx {
+    const sf_logits *logits;
+    const sf_draft *draft;
+    const sf_params *params;
+    sf_method method;
+    sf_verify_out *out;
+    const int64_t *node_off; /* first node of each request; rows: + b */
+    const sf_kernels *k;
+} verify_ctx;
+
+static const void *row_ptr(const sf_logits *l, int64_t row) {
+    return (const char *)l->data +
+           (size_t)(row * l->row_stride) * (size_t)sf_dtype_size(l->dtype);
+}
+
+/* q(x) of a node: 1 for deterministic drafts, else read from its row. */
+static float draft_prob(const sf_draft *d, int64_t node, int32_t x, int64_t vocab) {
+    if (d->kind == SF_DRAFT_DENSE) return d->dense[node * vocab + x];
+    if (d->kind == SF_DRAFT_SPARSE) {
+        for (int64_t i = 0; i < d->sparse_k; i++)
+            if (d->sparse_ids[node * d->sparse_k + i] == x)
+                return d->sparse_probs[node * d->sparse_k + i];
+        return 0.0f;
+    }
+    return 1.0f;
+}
+
+static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
+    const verify_ctx *c = arg;
+    const sf_draft *dr = c->draft;
+    const int64_t vocab = c->logits->vocab, width = c->out->max_draft + 1;
+    const int64_t node0 = c->node_off[b], row0 = node0 + b;
+    const int32_t nd = dr->num_draft[b];
+    const int32_t *tok = dr->tokens + node0;
+    int32_t *out_tok = c->out->tokens + b * width;
+    int32_t *out_nodes = c->out->accepted_nodes
+                             ? c->out->accepted_nodes + b * c->out->max_draft : NULL;
+    for (int64_t i = 0; i < width; i++) out_tok[i] = -1;
+    if (out_nodes)
+        for (int64_t i = 0; i < c->out->max_draft; i++) out_nodes[i] = -1;
+    sf_rowparams p;
+    sf_params_get(c->params, b, &p);
+
+    /* first[n + 1]: first child of node n (-1 = the root); next[n]: sibling. */
+    int32_t *first = sf_scratch_get(s, SF_SLOT_TREE, (size_t)(2 * nd + 1) * 4);
+    if (!first) return SF_ERR_NO_MEMORY;
+    int32_t *next = first + nd + 1;
+    for (int32_t i = 0; i <= nd; i++) first[i] = -1;
+    for (int32_t i = nd - 1; i >= 0; i--) {
+        int32_t parent = dr->parents ? dr->parents[node0 + i] : i - 1;
+        next[i] = first[parent + 1];
+        first[parent + 1] = i;
+    }
+
+    sf_dist d;
+    const int64_t k_over = dr->kind == SF_DRAFT_SPARSE ? dr->sparse_k : 1;
+    d.over_id = sf_scratch_get(s, SF_SLOT_OVER_ID, (size_t)(nd * k_over + 1) * 4);
+    d.over_w = sf_scratch_get(s, SF_SLOT_OVER_W, (size_t)(nd * k_over + 1) * 8);
+    if (!d.over_id || !d.over_w) return SF_ERR_NO_MEMORY;
+    d.resid[0] = d.resid[1] = NULL;
+    if (c->method == SF_REJECTION && dr->kind == SF_DRAFT_DENSE && dr->parents) {
+        float *r = sf_scratch_get(s, SF_SLOT_RESID, (size_t)vocab * 8);
+        if (!r) return SF_ERR_NO_MEMORY;
+        d.resid[0] = r;
+        d.resid[1] = r + vocab;
+    }
+
+    int32_t cur = -1, depth = 0;
+    for (;;) {
+        const void *row = row_ptr(c->logits, row0 + cur + 1);
+        const int64_t pos = p.position + depth;
+        int32_t accepted = -1, emit = -1;
+        sf_status st;
+        if (p.temperature == 0.0f || c->method == SF_COUPLED) {
+            /* The target's token is fixed: accept the first child equal to it. */
+            if (p.temperature == 0.0f) {
+                st = sf_row_greedy(c->k, row, c->logits->dtype, vocab, &emit);
+            } else {
+                st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0);
+                if (st == SF_OK) emit = (int32_t)c->k->coupled_argmax(&d.row, p.seed, pos);
+            }
+            if (st != SF_OK) return st;
+            for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch])
+                if (tok[ch] == emit) { accepted = ch; break; }
+        } else {
+            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1);
+            if (st != SF_OK) return st;
+            uint32_t j = 0;
+            for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch], j++) {
+                const int64_t node = node0 + ch;
+                const int32_t x = tok[ch];
+                float qx = draft_prob(dr, node, x, vocab);
+                if (!(qx >= 0.0f && qx <= 1.001f)) return SF_ERR_DRAFT_PROBS;
+                double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
+                if (qx > 0.0f && u * (double)qx < sf_dist_prob(&d, x)) {
+                    accepted = ch;
+                    break;
+                }
+                if (dr->kind == SF_DRAFT_DENSE) {
+                    st = sf_dist_reject_dense(&d, c->k, dr->dense + node * vocab,
+                                              next[ch] >= 0);
+                    if (st != SF_OK) return st;
+                } else if (dr->kind == SF_DRAFT_SPARSE) {
+                    sf_dist_reject_sparse(&d, dr->sparse_ids + node * dr->sparse_k,
+                                          dr->sparse_probs + node * dr->sparse_k,
+                                          dr->sparse_k);
+                } else {
+                    const float one = 1.0f;
+                    sf_dist_reject_sparse(&d, &x, &one, 1);
+                }
+            }
+            if (accepted < 0) emit = sf_dist_draw(&d, p.seed, pos);
+        }
+        if (accepted < 0) {
+            out_tok[depth] = emit;
+            break;
+        }
+        out_tok[depth] = tok[accepted];
+        if (out_nodes) out_nodes[depth] = accepted;
+        depth++;
+        cur = accepted;
+    }
+    c->out->num_accepted[b] = depth;
+    return SF_OK;
+}
+
+/* Checks everything that is cheap to check before any row is read. */
+static sf_status check_draft(const sf_draft *d, const sf_logits *l,
+                             int64_t *node_off, int64_t max_draft, int64_t *index) {
+    *index = -1;
+    if (d->batch < 0 || d->batch > SF_MAX_BATCH || d->n < 0) return SF_ERR_SHAPE;
+    if ((d->n > 0 && !d->tokens) || (d->batch > 0 && !d->num_draft))
+        return SF_ERR_ARGUMENT;
+    int64_t nodes = 0;
+    for (int64_t b = 0; b < d->batch; b++) {
+        int32_t nd = d->num_draft[b];
+        if (nd < 0 || nd > SF_MAX_DRAFT || nd > max_draft) { *index = b; return SF_ERR_SHAPE; }
+        node_off[b] = nodes;
+        nodes += nd;
+    }
+    if (nodes != d->n || nodes + d->batch != l->rows) return SF_ERR_SHAPE;
+    if (d->kind == SF_DRAFT_DENSE && d->n > 0 && !d->dense) return SF_ERR_ARGUMENT;
+    if (d->kind == SF_DRAFT_SPARSE &&
+        (d->sparse_k < 1 || (d->n > 0 && (!d->sparse_ids || !d->sparse_probs))))
+        return SF_ERR_ARGUMENT;
+    if (d->kind != SF_DRAFT_NONE && d->kind != SF_DRAFT_DENSE &&
+        d->kind != SF_DRAFT_SPARSE)
+        return SF_ERR_ARGUMENT;
+    for (int64_t b = 0; b < d->batch; b++) {
+        const int64_t n0 = node_off[b];
+        *index = b;
+        for (int64_t i = 0; i < d->num_draft[b]; i++) {
+            if (d->tokens[n0 + i] < 0 || d->tokens[n0 + i] >= l->vocab) return SF_ERR_TOKEN;
+            if (d->parents && (d->parents[n0 + i] < -1 || d->parents[n0 + i] >= i))
+                return SF_ERR_PARENT;
+            if (d->kind != SF_DRAFT_SPARSE) continue;
+            const int32_t *ids = d->sparse_ids + (n0 + i) * d->sparse_k;
+            const float *pr = d->sparse_probs + (n0 + i) * d->sparse_k;
+            double sum = 0.0;
+            for (int64_t a = 0; a < d->sparse_k; a++) {
+                if (ids[a] < -1 || ids[a] >= l->vocab || !(pr[a] >= 0.0f && pr[a] <= 1.001f) ||
+                    (ids[a] == -1 && pr[a] != 0.0f))
+                    return SF_ERR_DRAFT_PROBS;
+                for (int64_t z = 0; z < a && ids[a] >= 0; z++)
+                    if (ids[z] == ids[a]) return SF_ERR_DRAFT_PROBS;
+                sum += pr[a];
+            }
+            if (!(fabs(sum - 1.0) <= 1e-3)) return SF_ERR_DRAFT_PROBS;
+        }
+    }
+    *index = -1;
+    return SF_OK;
+}
+
+SF_API sf_status sf_verify(const sf_logits *logits, const sf_draft *draft,
+                           const sf_params *params, sf_method method,
+                           sf_verify_out *out, sf_error *err) {
+    int64_t index = -1;
+    sf_status st = sf_logits_check(logits);
+    if (st == SF_OK && (!draft || !out || !out->tokens || !out->num_accepted ||
+                        out->max_draft < 0 ||
+                        (out->max_draft > 0 && !out->accepted_nodes)))
+        st = SF_ERR_ARGUMENT;
+    if (st == SF_OK && method != SF_REJECTION && method != SF_COUPLED)
+        st = SF_ERR_ARGUMENT;
+    if (st == SF_OK) st = sf_params_check(params, draft->batch, &index);
+    int64_t *node_off = NULL;
+    if (st == SF_OK) {
+        node_off = malloc((size_t)(draft->batch > 0 ? draft->batch : 1) * sizeof *node_off);
+        st = node_off ? check_draft(draft, logits, node_off, out->max_draft, &index)
+                      : SF_ERR_NO_MEMORY;
+    }
+    if (st == SF_OK) {
+        verify_ctx c = {logits, draft, params, method, out, node_off, sf_cpu_kernels()};
+        st = sf_parallel_for(draft->batch, verify_one, &c, &index);
+    }
+    free(node_off);
+    if (err) err->index = index;
+    return st;
+}

@@ -1,0 +1,436 @@
+"""The public functions: validate, allocate the outputs, call the library."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ._lib import check, ffi, lib
+
+_METHODS = {"rejection": 0, "coupled": 1}
+_F32, _F16, _BF16 = 0, 1, 2
+_LOGIT_DTYPES = {np.dtype(np.float32): _F32, np.dtype(np.float16): _F16}
+_MAX_VOCAB = 1 << 24
+
+
+class SparseProbs:
+    """A top-K draft distribution per draft node.
+
+    Parameters
+    ----------
+    indices : array of int, shape ``(N, K)``
+        Token ids the drafter sampled from; ``-1`` marks an unused slot.
+    values : array of float, shape ``(N, K)``
+        Their probabilities; each row sums to 1 and unused slots hold 0.
+
+    Examples
+    --------
+    >>> q = specfast.SparseProbs(np.array([[5, 9]]), np.array([[0.75, 0.25]]))
+    """
+
+    __slots__ = ("indices", "values", "_torch")
+
+    def __init__(self, indices, values):
+        self._torch = _is_torch(indices) or _is_torch(values)
+        idx = _int_array(indices, "SparseProbs indices", ndim=2)
+        val = _float_array(values, "SparseProbs values", ndim=2)
+        if idx.shape != val.shape:
+            raise ValueError(
+                f"SparseProbs: indices {idx.shape} and values {val.shape} must have the same shape"
+            )
+        if idx.shape[1] < 1:
+            raise ValueError("SparseProbs: K (the second dimension) must be at least 1")
+        self.indices = idx
+        self.values = val
+
+    def __repr__(self) -> str:
+        return f"SparseProbs(N={self.indices.shape[0]}, K={self.indices.shape[1]})"
+
+
+class VerifyResult(NamedTuple):
+    """What :func:`verify` returns, per request.
+
+    tokens : ``(B, max(num_draft) + 1)`` int32, accepted drafts then one
+        corrected or bonus token, padded with -1.
+    num_accepted : ``(B,)`` int32.
+    accepted_nodes : ``(B, max(num_draft))`` int32, local indices of the
+        accepted draft nodes in depth order, padded with -1.
+    """
+
+    tokens: Any
+    num_accepted: Any
+    accepted_nodes: Any
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.split(".", 1)[0] == "torch"
+
+
+def _torch_to_numpy(t, name):
+    if t.device.type != "cpu":
+        raise NotImplementedError(
+            f"{name} is on {t.device}; this build of specfast runs on CPU tensors only"
+        )
+    return t.detach().numpy()
+
+
+def _int_array(x, name, ndim):
+    if _is_torch(x):
+        x = _torch_to_numpy(x, name)
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        if a.size == 0 and a.dtype.kind == "f":
+            a = a.astype(np.int32)
+        else:
+            raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if a.dtype != np.int32:
+        if a.size and (a.min() < -(1 << 31) or a.max() >= (1 << 31)):
+            raise ValueError(f"{name} has values outside the int32 range")
+        a = a.astype(np.int32)
+    return np.ascontiguousarray(a)
+
+
+def _float_array(x, name, ndim):
+    if _is_torch(x):
+        x = _torch_to_numpy(x.float() if str(x.dtype) == "torch.bfloat16" else x, name)
+    a = np.asarray(x)
+    if a.dtype.kind != "f":
+        raise TypeError(f"{name} must hold floats, got dtype {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _logits(x, name="target_logits"):
+    """Returns (array, dtype code, row stride) for 2-D logits, zero-copy when
+    the rows are contiguous."""
+    if _is_torch(x):
+        if str(x.dtype) == "torch.bfloat16":
+            if x.device.type != "cpu":
+                _torch_to_numpy(x, name)
+            x = x.detach()
+            if x.dim() == 2 and x.stride(1) != 1:
+                x = x.contiguous()
+            a, code = x.view(_torch().int16).numpy(), _BF16
+        else:
+            a = _torch_to_numpy(x, name)
+            code = None
+    else:
+        a = np.asarray(x)
+        code = None
+    if code is None:
+        code = _LOGIT_DTYPES.get(a.dtype)
+        if code is None:
+            if a.dtype.name == "bfloat16":  # ml_dtypes
+                a, code = a.view(np.uint16), _BF16
+            else:
+                raise TypeError(
+                    f"{name} must be float32, float16 or bfloat16, got dtype {a.dtype}"
+                )
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (rows, vocab), got shape {a.shape}")
+    item = a.itemsize
+    if a.strides[1] != item or a.strides[0] % item or a.strides[0] < a.shape[1] * item:
+        a = np.ascontiguousarray(a)
+    stride = a.strides[0] // item if a.shape[0] > 1 else a.shape[1]
+    if a.shape[1] < 1 or a.shape[1] > _MAX_VOCAB:
+        raise ValueError(f"{name}: vocab size {a.shape[1]} must be in [1, {_MAX_VOCAB}]")
+    return a, code, stride
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+_CTYPES = {
+    "temperature": ("float", np.float32),
+    "top_k": ("int32_t", np.int32),
+    "top_p": ("float", np.float32),
+    "min_p": ("float", np.float32),
+    "seed": ("uint64_t", np.uint64),
+    "position": ("int64_t", np.int64),
+}
+
+
+def _param(value, name, batch, keep):
+    """A pointer to one value or `batch` values of a sampling parameter."""
+    ctype, dtype = _CTYPES[name]
+    if isinstance(value, (int, float, np.generic)) and not isinstance(value, bool):
+        if dtype != np.float32 and not float(value).is_integer():
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        try:
+            c = ffi.new(f"{ctype}[1]", [value if dtype == np.float32 else int(value)])
+        except OverflowError:
+            raise ValueError(f"{name}={value!r} is out of range for {ctype}") from None
+        keep.append(c)
+        return c, 1
+    if isinstance(value, bool) or value is None:
+        raise TypeError(f"{name} must be a number or an array, got {value!r}")
+    if _is_torch(value):
+        value = _torch_to_numpy(value, name)
+    a = np.asarray(value)
+    if a.ndim > 1 or (a.ndim == 1 and a.shape[0] not in (1, batch)):
+        raise ValueError(
+            f"{name} must be a scalar or have one value per request ({batch}), got shape {a.shape}"
+        )
+    if dtype != np.float32 and a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    if a.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
+    if dtype == np.uint64 and a.dtype.kind == "i" and a.size and a.min() < 0:
+        raise ValueError(f"{name} must be non-negative")
+    if dtype == np.int32 and a.size and (a.min() < 0 or a.max() >= 1 << 31):
+        raise ValueError(f"{name} must be in [0, 2^31)")
+    a = np.ascontiguousarray(a.reshape(-1), dtype=dtype)
+    keep.append(a)
+    return ffi.cast(f"{ctype} *", a.ctypes.data), a.shape[0]
+
+
+def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
+    p = ffi.new("sf_params *")
+    p.temperature, p.n_temperature = _param(temperature, "temperature", batch, keep)
+    p.top_k, p.n_top_k = _param(top_k, "top_k", batch, keep)
+    p.top_p, p.n_top_p = _param(top_p, "top_p", batch, keep)
+    p.min_p, p.n_min_p = _param(min_p, "min_p", batch, keep)
+    p.seed, p.n_seed = _param(seed, "seed", batch, keep)
+    p.position, p.n_position = _param(position, "position", batch, keep)
+    keep.append(p)
+    return p
+
+
+def _method(method):
+    code = _METHODS.get(method)
+    if code is None:
+        raise ValueError(f"method must be 'rejection' or 'coupled', got {method!r}")
+    return code
+
+
+def _ptr(ctype, a):
+    return ffi.cast(ctype, a.ctypes.data)
+
+
+def _c_logits(a, code, stride):
+    return ffi.new(
+        "sf_logits *",
+        {"data": ffi.cast("void *", a.ctypes.data), "dtype": code, "rows": a.shape[0],
+         "vocab": a.shape[1], "row_stride": stride},
+    )
+
+
+_PARAM_RULES = (
+    "temperature must be finite and >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1"
+)
+
+
+def _raise(status, what, index, param_values):
+    detail = None
+    if status == lib().SF_ERR_PARAM:
+        shown = ", ".join(
+            f"{k}={np.asarray(v).reshape(-1)[0 if np.size(v) == 1 else index]!r}"
+            for k, v in param_values.items()
+        )
+        detail = f"{_PARAM_RULES}; got {shown}"
+    check(status, what, index, detail)
+
+
+def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=None,
+           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0,
+           method="rejection"):
+    """Verifies a ragged batch of draft chains or trees against the target.
+
+    Parameters
+    ----------
+    target_logits : array, shape ``(T, V)``, float32, float16 or bfloat16
+        Request b owns ``num_draft[b] + 1`` consecutive rows: its row 0 holds
+        the logits at its last accepted token, row ``1 + i`` those after draft
+        node i. Rows may be strided; each row must be contiguous.
+    draft_tokens : int array, shape ``(N,)``, ``N = sum(num_draft)``
+    num_draft : int array, shape ``(B,)``
+        Draft nodes per request (0 allowed).
+    draft_probs : None, float32 array ``(N, V)`` or :class:`SparseProbs`
+        The distribution each node's token was drawn from. None: the drafts are
+        deterministic (one-hot). A token whose draft probability is 0 is rejected.
+    parents : None or int array ``(N,)``
+        Per node, the local index of its parent within its request, -1 for a
+        child of row 0; parents precede children. None: chains.
+    temperature, top_k, top_p, min_p, seed, position : scalar or ``(B,)``
+        The target distribution is :func:`probs` of each row. ``position`` is the
+        absolute index of the token that a request's row 0 predicts; with
+        ``seed`` it keys every random draw.
+    method : {"rejection", "coupled"}
+        "rejection": speculative (recursive) rejection sampling. "coupled":
+        Gumbel-max coupling; a draft is accepted iff it equals the target's
+        own token, so the output does not depend on the drafter.
+
+    Returns
+    -------
+    VerifyResult
+        ``tokens`` ``(B, max(num_draft) + 1)``, ``num_accepted`` ``(B,)``,
+        ``accepted_nodes`` ``(B, max(num_draft))``; numpy in, numpy out; torch
+        in, torch out.
+
+    Examples
+    --------
+    >>> logits = np.random.randn(3, 100).astype(np.float32)   # one request, 2 drafts
+    >>> r = specfast.verify(logits, np.array([7, 42]), np.array([2]), seed=1)
+    >>> r.tokens.shape, r.num_accepted.shape
+    ((1, 3), (1,))
+    """
+    torch_out = _is_torch(target_logits)
+    m = _method(method)
+    a, code, stride = _logits(target_logits)
+    vocab = a.shape[1]
+    tokens = _int_array(draft_tokens, "draft_tokens", 1)
+    nd = _int_array(num_draft, "num_draft", 1)
+    batch, n = nd.shape[0], tokens.shape[0]
+    keep = [a, tokens, nd]
+    d = ffi.new("sf_draft *")
+    d.tokens, d.n = _ptr("int32_t *", tokens), n
+    d.num_draft, d.batch = _ptr("int32_t *", nd), batch
+    if parents is not None:
+        par = _int_array(parents, "parents", 1)
+        if par.shape[0] != n:
+            raise ValueError(f"parents has {par.shape[0]} entries, draft_tokens has {n}")
+        keep.append(par)
+        d.parents = _ptr("int32_t *", par)
+    if draft_probs is None:
+        d.kind = 0
+    elif isinstance(draft_probs, SparseProbs):
+        if draft_probs.indices.shape[0] != n:
+            raise ValueError(
+                f"draft_probs has {draft_probs.indices.shape[0]} rows, draft_tokens has {n}"
+            )
+        d.kind, d.sparse_k = 2, draft_probs.indices.shape[1]
+        d.sparse_ids = _ptr("int32_t *", draft_probs.indices)
+        d.sparse_probs = _ptr("float *", draft_probs.values)
+    else:
+        q = _float_array(draft_probs, "draft_probs", 2)
+        if q.shape != (n, vocab):
+            raise ValueError(f"draft_probs must have shape ({n}, {vocab}), got {q.shape}")
+        keep.append(q)
+        d.kind, d.dense = 1, _ptr("float *", q)
+    if batch and (nd.min() < 0):
+        raise ValueError("num_draft must be >= 0")
+    max_draft = int(nd.max()) if batch else 0
+    total = int(nd.sum(dtype=np.int64)) if batch else 0
+    if total != n:
+        raise ValueError(f"sum(num_draft) = {total} but draft_tokens has {n} entries")
+    if a.shape[0] != n + batch:
+        raise ValueError(
+            f"target_logits has {a.shape[0]} rows; sum(num_draft + 1) = {n + batch} needed"
+        )
+    params = _params(batch, temperature, top_k, top_p, min_p, seed, position, keep)
+    out_tokens = np.empty((batch, max_draft + 1), np.int32)
+    out_acc = np.empty(batch, np.int32)
+    out_nodes = np.empty((batch, max_draft), np.int32)
+    out = ffi.new("sf_verify_out *")
+    out.tokens, out.num_accepted = _ptr("int32_t *", out_tokens), _ptr("int32_t *", out_acc)
+    out.accepted_nodes, out.max_draft = _ptr("int32_t *", out_nodes), max_draft
+    err = ffi.new("sf_error *")
+    status = lib().sf_verify(_c_logits(a, code, stride), d, params, m, out, err)
+    if status:
+        _raise(status, "specfast.verify", err.index,
+               dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    if torch_out:
+        torch = _torch()
+        return VerifyResult(torch.from_numpy(out_tokens), torch.from_numpy(out_acc),
+                            torch.from_numpy(out_nodes))
+    return VerifyResult(out_tokens, out_acc, out_nodes)
+
+
+def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0,
+           method="rejection"):
+    """Samples one token per row from :func:`probs` of that row.
+
+    Parameters
+    ----------
+    logits : array, shape ``(rows, V)``, float32, float16 or bfloat16
+    temperature, top_k, top_p, min_p, seed, position : scalar or ``(rows,)``
+        ``position`` is the absolute index of the token being sampled.
+    method : {"rejection", "coupled"}
+        "rejection" draws by inverse CDF; "coupled" draws the Gumbel-max token
+        that coupled verification uses at the same (seed, position), so a
+        drafter sampling this way agrees with the target as often as possible.
+
+    Returns
+    -------
+    tokens : ``(rows,)`` int32 (a torch tensor for torch input).
+
+    Examples
+    --------
+    >>> specfast.sample(np.zeros((2, 10), np.float32), seed=3, position=[5, 6]).shape
+    (2,)
+    """
+    torch_out = _is_torch(logits)
+    m = _method(method)
+    a, code, stride = _logits(logits, "logits")
+    keep = [a]
+    params = _params(a.shape[0], temperature, top_k, top_p, min_p, seed, position, keep)
+    out = np.empty(a.shape[0], np.int32)
+    err = ffi.new("sf_error *")
+    status = lib().sf_sample(_c_logits(a, code, stride), params, m, _ptr("int32_t *", out), err)
+    if status:
+        _raise(status, "specfast.sample", err.index,
+               dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    return _torch().from_numpy(out) if torch_out else out
+
+
+def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """The target distribution of each row, as verification and sampling use it.
+
+    softmax(logits / temperature); keep the ``top_k`` most probable (0 keeps
+    all); keep the shortest most-probable prefix whose mass reaches ``top_p``;
+    drop tokens below ``min_p`` times the largest probability; renormalise
+    after each step. Ties rank the lower token id first; temperature 0 is
+    greedy (one-hot at the first largest logit); a logit of -inf is a banned
+    token. Tokens below 2^-40 of the largest probability get 0.
+
+    Parameters
+    ----------
+    logits : array, shape ``(rows, V)``, float32, float16 or bfloat16
+    temperature, top_k, top_p, min_p : scalar or ``(rows,)``
+
+    Returns
+    -------
+    ``(rows, V)`` float32 (a torch tensor for torch input).
+
+    Examples
+    --------
+    >>> specfast.probs(np.array([[0.0, 0.0, -np.inf]], np.float32))
+    array([[0.5, 0.5, 0. ]], dtype=float32)
+    """
+    torch_out = _is_torch(logits)
+    a, code, stride = _logits(logits, "logits")
+    keep = [a]
+    params = _params(a.shape[0], temperature, top_k, top_p, min_p, 0, 0, keep)
+    out = np.empty(a.shape, np.float32)
+    err = ffi.new("sf_error *")
+    status = lib().sf_probs(_c_logits(a, code, stride), params, _ptr("float *", out), err)
+    if status:
+        _raise(status, "specfast.probs", err.index,
+               dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    return _torch().from_numpy(out) if torch_out else out
+
+
+def set_num_threads(n: int) -> None:
+    """Sets the threads of the pool: n >= 1, or 0 for one per core."""
+    n = operator.index(n)
+    if n < 0:
+        raise ValueError(f"set_num_threads: n must be >= 0, got {n}")
+    check(lib().sf_set_num_threads(n), "specfast.set_num_threads", -1)
+
+
+def get_num_threads() -> int:
+    """The threads the pool runs."""
+    return lib().sf_get_num_threads()
+
+
+def simd_level() -> str:
+    """The SIMD level in use: "scalar", "avx2" or "avx512"."""
+    return ffi.string(lib().sf_simd_level()).decode()

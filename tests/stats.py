@@ -1,0 +1,141 @@
+"""Statistical assertions for the random kernels.
+
+Every test draws with fixed seeds, so a test is deterministic for a given implementation;
+ALPHA is small so that the ~100 statistical assertions of the suite do not fail by chance
+(probability ~1e-4 for the whole suite) while the sample sizes used (>= 1e5 draws for the
+main checks) still detect a shift of 1% of probability mass (total variation 0.01) with
+power ~1: tests/test_stats.py proves both halves of that on numpy's own sampler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats as sps
+
+ALPHA = 1e-6
+MIN_EXPECTED = 5.0
+
+
+def _pool(obs, exp):
+    """Bins with expected count >= MIN_EXPECTED, the rest pooled into one bin."""
+    big = exp >= MIN_EXPECTED
+    o, e = list(obs[big]), list(exp[big])
+    ro, re = obs[~big].sum(), exp[~big].sum()
+    if re > 0:
+        if re >= MIN_EXPECTED or not o:
+            o.append(ro)
+            e.append(re)
+        else:  # too small to stand alone: merge into the smallest big bin
+            j = int(np.argmin(e))
+            o[j] += ro
+            e[j] += re
+    return np.asarray(o, float), np.asarray(e, float)
+
+
+def chi2_table(counts, probs):
+    """Chi-square statistic and degrees of freedom of independent multinomial rows.
+
+    counts (R, C) observed, probs (R, C) the exact cell probabilities of each row. Returns
+    (stat, df, n_impossible) where n_impossible counts draws in zero-probability cells.
+    """
+    counts = np.atleast_2d(np.asarray(counts, float))
+    probs = np.atleast_2d(np.asarray(probs, float))
+    assert counts.shape == probs.shape, (counts.shape, probs.shape)
+    stat, df, impossible = 0.0, 0, 0
+    for c, p in zip(counts, probs):
+        n = c.sum()
+        if n == 0:
+            continue
+        zero = p <= 0
+        impossible += int(c[zero].sum())
+        p = np.where(zero, 0.0, p)
+        p = p / p.sum()
+        o, e = _pool(c[~zero], n * p[~zero])
+        if len(o) < 2:
+            continue
+        stat += float(((o - e) ** 2 / e).sum())
+        df += len(o) - 1
+    return stat, df, impossible
+
+
+def assert_counts(counts, probs, what="", alpha=ALPHA):
+    """Observed counts (C,) or (R, C) are multinomial draws from ``probs``.
+
+    Draws in a cell of probability exactly 0 fail at once, whatever their number.
+    """
+    stat, df, impossible = chi2_table(counts, probs)
+    c2 = np.atleast_2d(np.asarray(counts, float))
+    p2 = np.atleast_2d(np.asarray(probs, float))
+    assert impossible == 0, (
+        f"{what}: {impossible} draws landed on zero-probability outcomes "
+        f"{np.argwhere((p2 <= 0) & (c2 > 0))[:10].tolist()}"
+    )
+    if df == 0:
+        return
+    pval = float(sps.chi2.sf(stat, df))
+    n = c2.sum(axis=1, keepdims=True)
+    freq = np.divide(c2, n, out=np.zeros_like(c2), where=n > 0)
+    pn = p2 / p2.sum(axis=1, keepdims=True)
+    tv = 0.5 * np.abs(freq - pn).sum(axis=1)
+    worst = int(np.argmax(tv))
+    assert pval > alpha, (
+        f"{what}: chi-square {stat:.1f} on {df} df, p = {pval:.3g} < {alpha:g}; "
+        f"n = {int(c2.sum())}; worst row {worst}: TV = {tv[worst]:.4f}\n"
+        f"  observed freq {np.round(freq[worst], 4).tolist()}\n"
+        f"  expected prob {np.round(pn[worst], 4).tolist()}"
+    )
+
+
+def assert_samples(samples, probs, what="", alpha=ALPHA):
+    """Token draws (n,) follow the distribution ``probs`` (V,)."""
+    samples = np.asarray(samples).astype(np.int64)
+    probs = np.asarray(probs, float)
+    assert samples.min() >= 0 and samples.max() < probs.size, (
+        f"{what}: token outside [0, {probs.size}): {samples.min()}..{samples.max()}"
+    )
+    counts = np.bincount(samples, minlength=probs.size)
+    assert_counts(counts, probs, what, alpha)
+
+
+def assert_transitions(prev, nxt, trans, what="", alpha=ALPHA):
+    """Pairs (prev[i], nxt[i]) with nxt ~ trans[prev] independently."""
+    prev = np.asarray(prev).astype(np.int64)
+    nxt = np.asarray(nxt).astype(np.int64)
+    V = trans.shape[1]
+    assert nxt.size == 0 or (nxt.min() >= 0 and nxt.max() < V), f"{what}: token out of range"
+    counts = np.zeros(trans.shape)
+    np.add.at(counts, (prev, nxt), 1)
+    assert_counts(counts, trans, what, alpha)
+
+
+def assert_outcomes(keys, expected: dict, what="", alpha=ALPHA):
+    """Hashable outcomes (list) follow the exact distribution ``expected`` {key: prob}."""
+    names = list(expected)
+    index = {k: i for i, k in enumerate(names)}
+    unknown = [k for k in keys if k not in index]
+    assert not unknown, (
+        f"{what}: {len(unknown)} outcomes of probability 0, e.g. {sorted(set(unknown))[:5]}"
+    )
+    idx = np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys))
+    counts = np.bincount(idx, minlength=len(names))
+    probs = np.array([expected[k] for k in names])
+    try:
+        assert_counts(counts, probs, what, alpha)
+    except AssertionError as e:
+        rows = sorted(zip(names, counts / max(len(keys), 1), probs), key=lambda r: -r[2])
+        detail = "\n".join(f"    {k}: observed {o:.4f} expected {p:.4f}" for k, o, p in rows[:20])
+        raise AssertionError(f"{e}\n  outcomes (path, token):\n{detail}") from None
+
+
+def assert_rate(successes, trials, prob, what="", alpha=ALPHA):
+    """A binomial count is consistent with success probability ``prob``."""
+    successes, trials = int(successes), int(trials)
+    if prob <= 0 or prob >= 1:
+        expect = 0 if prob <= 0 else trials
+        assert successes == expect, f"{what}: {successes}/{trials}, expected exactly {expect}"
+        return
+    pval = sps.binomtest(successes, trials, prob).pvalue
+    assert pval > alpha, (
+        f"{what}: rate {successes / trials:.5f} over {trials} trials, expected {prob:.5f} "
+        f"(binomial p = {pval:.3g})"
+    )

@@ -1,0 +1,243 @@
+"""specfast.sample: distribution (chi-square against the reference), keys, greedy, coupling.
+
+Many draws of one distribution are made in ONE call: the same row repeated n times, each
+copy with its own position (or seed), which is how the random streams are keyed.
+"""
+
+import numpy as np
+import pytest
+
+import specfast as sf
+from reference import as_f64, ref_probs, ref_probs_row, safe_params, to_dtype
+from stats import assert_rate, assert_samples
+
+METHODS = ["rejection", "coupled"]
+DTYPES = ["float32", "float16", "bfloat16"]
+FILTERS = {
+    "no-filter": dict(),
+    "T=0.7,top_k=5": dict(temperature=0.7, top_k=5),
+    "top_p=0.8": dict(top_p=0.8),
+    "T=1.5,min_p=0.1": dict(temperature=1.5, min_p=0.1),
+    "all-three": dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.02),
+}
+N = 100_000
+
+
+def row_logits(rng, vocab, dtype, banned=True):
+    x = rng.standard_normal(vocab) * 1.5
+    if banned and vocab > 3:
+        x[rng.choice(vocab, size=vocab // 5, replace=False)] = -np.inf
+    return to_dtype(x.astype(np.float32)[None], dtype)
+
+
+def resolved(row, filters):
+    """The filters with top_p / min_p moved off decision edges for this row."""
+    f = dict(filters)
+    t, k = f.get("temperature", 1.0), f.get("top_k", 0)
+    f["top_p"], f["min_p"] = safe_params(row, t, k, f.get("top_p", 1.0), f.get("min_p", 0.0))
+    return f
+
+
+@pytest.mark.parametrize("filters", list(FILTERS.values()), ids=list(FILTERS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 7, 20], ids=lambda v: f"V={v}")
+@pytest.mark.parametrize("method", METHODS)
+def test_sample_distribution(method, vocab, dtype, filters, rng):
+    row = row_logits(rng, vocab, dtype)
+    f = resolved(row[0], filters)
+    expected = ref_probs_row(row[0], **f)
+    logits = np.repeat(row, N, axis=0)
+    tokens = sf.sample(logits, **f, seed=1234, position=np.arange(N), method=method)
+    assert isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.shape == (N,)
+    assert_samples(tokens, expected, f"sample({method}, V={vocab}, {dtype}, {f})")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sample_distribution_over_seeds(method, rng):
+    """Varying the seed at a fixed position gives independent draws too."""
+    row = row_logits(rng, 11, "float32")
+    tokens = sf.sample(
+        np.repeat(row, N, axis=0), seed=np.arange(N, dtype=np.uint64) * 7919 + 3, position=42,
+        method=method,
+    )
+    assert_samples(tokens, ref_probs_row(row[0]), f"sample({method}) over seeds")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sample_rare_token_rate(method):
+    """A token of probability 1e-4 beside two heavy ones is drawn at its rate (inverse-CDF
+    edges, the last bucket) and a token with p = 0 after filtering never is."""
+    p = np.array([0.6, 0.3999, 1e-4, 0.0])
+    x = np.log(np.where(p > 0, p, 1.0)).astype(np.float32)
+    x[3] = -np.inf
+    n = 400_000
+    tokens = sf.sample(np.repeat(x[None], n, axis=0), seed=5, position=np.arange(n), method=method)
+    expected = ref_probs_row(x)
+    assert_samples(tokens, expected, f"rare token ({method})")
+    assert_rate((tokens == 2).sum(), n, expected[2], "rate of the rare token")
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sample_large_vocab(method, dtype, rng):
+    """V = 32000: three strong tokens over a long tail; draws stay in the support and the
+    mass of the tail as a whole is right."""
+    vocab, n = 32000, 2000
+    x = rng.standard_normal(vocab).astype(np.float32)
+    x[[17, 20011, 31999]] += [9.0, 8.5, 8.0]
+    row = to_dtype(x[None], dtype)
+    p = ref_probs_row(row[0])
+    cats = np.array([17, 20011, 31999])
+    tokens = sf.sample(np.repeat(row, n, axis=0), seed=9, position=np.arange(n), method=method)
+    assert tokens.min() >= 0 and tokens.max() < vocab
+    counts = np.array([(tokens == c).sum() for c in cats] + [(~np.isin(tokens, cats)).sum()])
+    from stats import assert_counts
+
+    assert_counts(counts, np.append(p[cats], 1 - p[cats].sum()), f"V=32000 ({method}, {dtype})")
+    # With top_k = 2 only the two strongest tokens can come out.
+    t2 = sf.sample(np.repeat(row, n, axis=0), top_k=2, seed=9, position=np.arange(n), method=method)
+    assert set(np.unique(t2)) <= {17, 20011}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_greedy_is_argmax(method, dtype, rng):
+    x = rng.standard_normal((300, 111)).astype(np.float32)
+    x[:100, 40] = x[:100, 60] = 9.0  # ties: the lower id wins
+    x[100:150, :] = -np.inf
+    x[100:150, 77] = 0.0
+    logits = to_dtype(x, dtype)
+    tokens = sf.sample(logits, temperature=0.0, seed=3, position=np.arange(300), method=method)
+    np.testing.assert_array_equal(tokens, np.argmax(as_f64(logits), axis=1))
+    assert np.all(tokens[:100] == 40)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sample_reproducible_and_keyed(method, rng):
+    """Same inputs -> same tokens; another seed or position -> other tokens; a row's token
+    depends only on its own inputs (not on the other rows)."""
+    x = rng.standard_normal((4000, 50)).astype(np.float32)
+    pos = rng.integers(0, 2**40, 4000)
+    a = sf.sample(x, seed=77, position=pos, method=method)
+    np.testing.assert_array_equal(a, sf.sample(x, seed=77, position=pos, method=method))
+    b = sf.sample(x, seed=78, position=pos, method=method)
+    c = sf.sample(x, seed=77, position=pos + 1, method=method)
+    assert (a != b).mean() > 0.5 and (a != c).mean() > 0.5
+    perm = rng.permutation(4000)
+    np.testing.assert_array_equal(
+        sf.sample(x[perm], seed=77, position=pos[perm], method=method), a[perm]
+    )
+    for r in [0, 1234, 3999]:
+        one = sf.sample(x[r : r + 1], seed=77, position=int(pos[r]), method=method)
+        assert one.shape == (1,) and one[0] == a[r]
+
+
+def test_sample_per_row_parameters(rng):
+    """Per-row parameters give each row what a call with that row alone gives."""
+    rows = 40
+    x = rng.standard_normal((rows, 30)).astype(np.float32)
+    params = dict(
+        temperature=rng.uniform(0.0, 2.0, rows).astype(np.float32),
+        top_k=rng.integers(0, 10, rows).astype(np.int32),
+        top_p=rng.uniform(0.3, 1.0, rows).astype(np.float32),
+        min_p=rng.uniform(0.0, 0.3, rows).astype(np.float32),
+        seed=rng.integers(0, 2**63, rows).astype(np.uint64),
+        position=rng.integers(0, 2**40, rows),
+    )
+    params["temperature"][:5] = 0.0
+    for method in METHODS:
+        all_rows = sf.sample(x, **params, method=method)
+        for r in range(rows):
+            one = sf.sample(x[r : r + 1], **{k: v[r].item() for k, v in params.items()}, method=method)
+            assert one[0] == all_rows[r], f"row {r} ({method})"
+
+
+def test_sample_rows_of_different_distributions(rng):
+    """Many different rows in one call, each repeated: every row's draws follow its own p."""
+    vocab, rows, reps = 9, 8, 25_000
+    x = (rng.standard_normal((rows, vocab)) * 1.5).astype(np.float32)
+    temps = np.array([1.0, 0.5, 2.0, 1.0, 0.8, 1.0, 1.2, 0.7])
+    top_k = np.array([0, 0, 0, 4, 0, 3, 0, 6])
+    top_p = np.array([1.0, 1.0, 1.0, 1.0, 0.8, 1.0, 0.9, 0.95])
+    min_p = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.05, 0.0])
+    for r in range(rows):
+        top_p[r], min_p[r] = safe_params(x[r], temps[r], top_k[r], top_p[r], min_p[r])
+    idx = np.tile(np.arange(rows), reps)
+    for method in METHODS:
+        tokens = sf.sample(
+            x[idx], temperature=temps[idx], top_k=top_k[idx], top_p=top_p[idx],
+            min_p=min_p[idx], seed=11, position=np.arange(idx.size), method=method,
+        )
+        ref = ref_probs(x, temps, top_k, top_p, min_p)
+        counts = np.zeros((rows, vocab))
+        np.add.at(counts, (idx, tokens), 1)
+        from stats import assert_counts
+
+        assert_counts(counts, ref, f"mixed rows ({method})")
+
+
+def coupled_agreement(p, q):
+    """P(argmin E/p == argmin E/q) for shared Exp(1) noise E per token (the exponential race).
+
+    Both pick v iff E_w > E_v * max(p_w / p_v, q_w / q_v) for every w != v, so the
+    probability is 1 / sum_w max(p_w / p_v, q_w / q_v), summed over v with p_v, q_v > 0.
+    """
+    total = 0.0
+    for v in range(p.size):
+        if p[v] > 0 and q[v] > 0:
+            total += 1.0 / np.maximum(p / p[v], q / q[v]).sum()
+    return total
+
+
+@pytest.mark.parametrize(
+    "case", ["random", "close", "filtered", "temperature"],
+)
+def test_coupled_noise_is_shared_per_token_id(case, rng):
+    """Two different rows at the same (seed, position) agree exactly as often as Gumbel-max
+    with one noise value per (seed, position, token id) predicts; at different positions
+    they agree only as often as independent draws do."""
+    vocab, n = 10, 100_000
+    a = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
+    b = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
+    ta = tb = 1.0
+    ka = kb = 0
+    if case == "close":
+        b = (a + rng.standard_normal(vocab) * 0.3).astype(np.float32)
+    if case == "filtered":
+        ka, kb = 4, 6
+    if case == "temperature":
+        b, ta, tb = a.copy(), 1.0, 0.5
+    p = ref_probs_row(a, ta, ka)
+    q = ref_probs_row(b, tb, kb)
+    logits = np.concatenate([np.repeat(a[None], n, 0), np.repeat(b[None], n, 0)])
+    pos = np.tile(np.arange(n), 2)
+    temps = np.repeat([ta, tb], n)
+    ks = np.repeat([ka, kb], n)
+    tok = sf.sample(logits, temperature=temps, top_k=ks, seed=2024, position=pos, method="coupled")
+    agree = (tok[:n] == tok[n:]).sum()
+    assert_rate(agree, n, coupled_agreement(p, q), f"coupled agreement ({case})")
+    # And the coupling must not be an accident of the positions: shifted positions are
+    # independent draws, agreeing with probability sum_v p_v q_v.
+    pos2 = np.concatenate([np.arange(n), np.arange(n) + n])
+    tok2 = sf.sample(logits, temperature=temps, top_k=ks, seed=2024, position=pos2, method="coupled")
+    assert_rate((tok2[:n] == tok2[n:]).sum(), n, float(p @ q), f"independent ({case})")
+
+
+def test_coupled_and_rejection_streams_both_valid_but_differ(rng):
+    """The two methods are different samplers of the same p (they need not agree)."""
+    x = (rng.standard_normal(12) * 1.5).astype(np.float32)
+    logits = np.repeat(x[None], N, 0)
+    r = sf.sample(logits, seed=3, position=np.arange(N), method="rejection")
+    c = sf.sample(logits, seed=3, position=np.arange(N), method="coupled")
+    p = ref_probs_row(x)
+    assert_samples(r, p, "rejection")
+    assert_samples(c, p, "coupled")
+    assert (r != c).mean() > 0.1
+
+
+def test_sample_default_method_is_rejection(rng):
+    x = rng.standard_normal((500, 20)).astype(np.float32)
+    np.testing.assert_array_equal(
+        sf.sample(x, seed=5, position=np.arange(500)),
+        sf.sample(x, seed=5, position=np.arange(500), method="rejection"),
+    )

@@ -1,0 +1,158 @@
+"""The references and the statistical helpers, checked on their own (no specfast needed).
+
+A statistical test is only as good as its power: these prove that the helpers accept exact
+samples from numpy's sampler and reject samples whose distribution is off by 1% of mass at
+the sample sizes the suite uses, and that the references agree with hand-computed values.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from reference import (
+    chain_parents,
+    ref_probs_row,
+    safe_params,
+    sample_rows,
+    tree_outcomes,
+)
+from stats import assert_outcomes, assert_rate, assert_samples, assert_transitions
+
+LN2 = math.log(2.0)
+
+
+@pytest.mark.parametrize(
+    "logits, params, expected",
+    [
+        ([0.0, LN2, 2 * LN2], {}, [1 / 7, 2 / 7, 4 / 7]),
+        ([0.0, LN2, 2 * LN2], dict(temperature=0.5), [1 / 21, 4 / 21, 16 / 21]),
+        ([0.0, LN2, 2 * LN2], dict(top_k=2), [0, 1 / 3, 2 / 3]),
+        ([0.0, LN2, 2 * LN2], dict(top_p=0.5), [0, 0, 1]),
+        ([0.0, LN2, 2 * LN2], dict(top_p=0.6), [0, 1 / 3, 2 / 3]),
+        ([0.0, LN2, 2 * LN2], dict(min_p=0.3), [0, 1 / 3, 2 / 3]),
+        ([0.0, LN2, 2 * LN2], dict(min_p=0.2), [1 / 7, 2 / 7, 4 / 7]),
+        ([0.0, LN2, 2 * LN2], dict(temperature=0), [0, 0, 1]),
+        ([1.0, 3.0, 3.0, 0.0, 3.0], dict(top_k=2), [0, 0.5, 0.5, 0, 0]),
+        ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.4), [0.5, 0.5, 0, 0]),
+        ([1.0, 5.0, 5.0], dict(temperature=0), [0, 1, 0]),
+        ([-np.inf, 0.0, 0.0], {}, [0, 0.5, 0.5]),
+    ],
+    ids=[
+        "plain",
+        "T=0.5",
+        "top_k=2",
+        "top_p=0.5",
+        "top_p=0.6",
+        "min_p=0.3",
+        "min_p=0.2",
+        "greedy",
+        "top_k-ties-lower-id",
+        "top_p-ties-lower-id",
+        "greedy-ties-lower-id",
+        "banned",
+    ],
+)
+def test_reference_probs_by_hand(logits, params, expected):
+    np.testing.assert_allclose(
+        ref_probs_row(np.array(logits), **params), expected, rtol=1e-12, atol=1e-15
+    )
+
+
+def test_safe_params_moves_off_the_edge():
+    logits = np.array([0.0, LN2, 2 * LN2])  # cumulative masses 4/7, 6/7, 1
+    tp, mp = safe_params(logits, 1.0, 0, 4 / 7, 0.5)  # both exactly on an edge
+    assert abs(tp - 4 / 7) > 1e-5 and abs(mp - 0.5) > 1e-4
+    assert safe_params(logits, 1.0, 0, 0.7, 0.3) == (0.7, 0.3)  # already safe: unchanged
+
+
+P12 = np.array([0.2, 0.15, 0.12, 0.1, 0.1, 0.08, 0.07, 0.06, 0.05, 0.04, 0.02, 0.01])
+
+
+def test_helpers_accept_exact_samples():
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        assert_samples(rng.choice(12, size=100_000, p=P12), P12, "exact")
+
+
+@pytest.mark.parametrize("n", [100_000], ids=lambda n: f"n={n}")
+def test_helpers_reject_a_one_percent_error(n):
+    """Move 1% of mass between two tokens: the suite's sample sizes must see it."""
+    rng = np.random.default_rng(2)
+    for src, dst in [(0, 1), (3, 11), (9, 10)]:
+        bad = P12.copy()
+        bad[src] -= 0.01
+        bad[dst] += 0.01
+        with pytest.raises(AssertionError):
+            assert_samples(rng.choice(12, size=n, p=bad), P12, "perturbed")
+
+
+def test_helpers_reject_draws_on_zero_probability():
+    p = np.array([0.5, 0.5, 0.0])
+    with pytest.raises(AssertionError, match="zero-probability"):
+        assert_samples(np.array([0] * 500 + [1] * 499 + [2]), p)
+
+
+def test_transitions_and_rates():
+    rng = np.random.default_rng(3)
+    trans = rng.dirichlet(np.ones(5), size=5)
+    prev = rng.integers(0, 5, 100_000)
+    nxt = sample_rows(rng, trans[prev])
+    assert_transitions(prev, nxt, trans, "exact")
+    with pytest.raises(AssertionError):
+        assert_transitions(prev, nxt, trans[::-1], "swapped rows")
+    assert_rate(30_100, 100_000, 0.3)
+    with pytest.raises(AssertionError):
+        assert_rate(31_000, 100_000, 0.3)
+
+
+def test_tree_outcomes_marginal_is_target():
+    """Averaged over drafts x ~ q, the first emitted token of verify is distributed as p.
+
+    Checks the reference of recursive rejection sampling on its own: a chain of one with a
+    dense q, a tree of three i.i.d. siblings, and three siblings drawn without replacement.
+    """
+    rng = np.random.default_rng(4)
+    V = 6
+    p = rng.dirichlet(np.ones(V))
+    q = rng.dirichlet(np.ones(V))
+    rows = np.vstack([p] + [rng.dirichlet(np.ones(V)) for _ in range(3)])
+
+    def marginal(outcomes):
+        m = np.zeros(V)
+        for (path, tok), pr in outcomes.items():
+            m[tok if not path else int(drafts[path[0]])] += pr
+        return m
+
+    # chain of one
+    total = np.zeros(V)
+    for x in range(V):
+        drafts = np.array([x])
+        total += q[x] * marginal(tree_outcomes(rows[:2], chain_parents(1), drafts, q[None]))
+    np.testing.assert_allclose(total, p, atol=1e-12)
+    # three i.i.d. siblings
+    total = np.zeros(V)
+    for x in np.ndindex(V, V, V):
+        drafts = np.array(x)
+        w = q[x[0]] * q[x[1]] * q[x[2]]
+        total += w * marginal(tree_outcomes(rows, np.array([-1, -1, -1]), drafts, np.stack([q] * 3)))
+    np.testing.assert_allclose(total, p, atol=1e-12)
+    # three siblings without replacement
+    total = np.zeros(V)
+    for x in np.ndindex(V, V, V):
+        if len(set(x)) < 3:
+            continue
+        drafts = np.array(x)
+        qs, w, left = [], 1.0, q.copy()
+        for t in x:
+            qi = left / left.sum()
+            qs.append(qi)
+            w *= qi[t]
+            left[t] = 0.0
+        total += w * marginal(tree_outcomes(rows, np.array([-1, -1, -1]), drafts, np.stack(qs)))
+    np.testing.assert_allclose(total, p, atol=1e-12)
+
+
+def test_assert_outcomes_names_unknown_outcomes():
+    with pytest.raises(AssertionError, match="probability 0"):
+        assert_outcomes([((), 1), ((0,), 2)], {((), 1): 1.0})
