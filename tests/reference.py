@@ -458,3 +458,146 @@ TOLERANCES = {
     "float16": dict(rtol=1e-5, atol=2.0**-36),
     "bfloat16": dict(rtol=1e-5, atol=2.0**-36),
 }
+
+
+# ---------------------------------------------------------------------------------------
+# Ragged batches of independent random requests
+# ---------------------------------------------------------------------------------------
+
+PARAM_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
+
+
+def random_request(rng, vocab, max_draft, *, tree=True, sparse_k=4):
+    """One request: rows, drafts (some equal to the row's argmax so that acceptances
+    happen), parents, dense q, sparse q and per-request parameters."""
+    nd = int(rng.integers(0, max_draft + 1))
+    if tree:
+        parents = np.array([int(rng.integers(-1, i)) if i else -1 for i in range(nd)], np.int32)
+    else:
+        parents = chain_parents(nd)
+    logits = (rng.standard_normal((nd + 1, vocab)) * 1.5).astype(np.float32)
+    q = rng.dirichlet(np.full(vocab, 0.5), size=nd)
+    top = np.argsort(-q, axis=1, kind="stable")[:, :sparse_k]
+    sq = np.zeros_like(q)
+    np.put_along_axis(sq, top, np.take_along_axis(q, top, 1), 1)
+    sq /= np.maximum(sq.sum(axis=1, keepdims=True), 1e-300)
+    tokens = np.zeros(nd, np.int32)
+    for i in range(nd):
+        if rng.random() < 0.5:  # the row's argmax: likely accepted
+            tokens[i] = int(np.argmax(logits[parents[i] + 1]))
+            # make sure the drafter could have drawn it
+            if sq[i, tokens[i]] == 0:
+                top[i, -1] = tokens[i]
+                sq[i] = 0
+                sq[i, top[i]] = 1.0 / sparse_k
+        else:
+            tokens[i] = int(rng.choice(vocab, p=sq[i]))
+    vals = np.take_along_axis(sq, top, 1)
+    return dict(
+        logits=logits,
+        tokens=tokens,
+        parents=parents,
+        dense=_f32_normalised(q) if nd else np.zeros((0, vocab), np.float32),
+        sparse_ids=top.astype(np.int32),
+        sparse_vals=_f32_normalised(vals) if nd else np.zeros((0, sparse_k), np.float32),
+        temperature=float(rng.choice([0.0, 0.5, 1.0, 1.0, 1.5])),
+        top_k=int(rng.choice([0, 0, 3, 8])),
+        top_p=float(rng.choice([1.0, 1.0, 0.9, 0.7])),
+        min_p=float(rng.choice([0.0, 0.0, 0.05])),
+        seed=int(rng.integers(0, 2**63)),
+        position=int(rng.integers(0, 2**40)),
+    )
+
+
+def pack(reqs, kind="dense", *, with_parents=True):
+    """Flatten a list of requests into verify's arguments (kind: none, dense, sparse).
+
+    Returns (args, kwargs) for ``specfast.verify`` except ``draft_probs`` (see
+    ``draft_arg``): kwargs["draft_probs"] is a tuple describing it.
+    """
+    vocab = reqs[0]["logits"].shape[1]
+    logits = np.concatenate([r["logits"] for r in reqs])
+    tokens = np.concatenate([r["tokens"] for r in reqs]).astype(np.int32)
+    nd = np.array([len(r["tokens"]) for r in reqs], np.int32)
+    kw = {k: np.array([r[k] for r in reqs]) for k in PARAM_KEYS}
+    kw["temperature"] = kw["temperature"].astype(np.float32)
+    kw["top_p"] = kw["top_p"].astype(np.float32)
+    kw["min_p"] = kw["min_p"].astype(np.float32)
+    kw["top_k"] = kw["top_k"].astype(np.int32)
+    kw["seed"] = kw["seed"].astype(np.uint64)
+    kw["position"] = kw["position"].astype(np.int64)
+    kw["parents"] = (
+        np.concatenate([r["parents"] for r in reqs]).astype(np.int32) if with_parents else None
+    )
+    if kind == "dense":
+        kw["draft_probs"] = ("dense", np.concatenate([r["dense"] for r in reqs]).reshape(-1, vocab))
+    elif kind == "sparse":
+        k = reqs[0]["sparse_ids"].shape[1] if reqs[0]["sparse_ids"].ndim == 2 else 4
+        ids = np.concatenate([r["sparse_ids"].reshape(-1, k) for r in reqs]).astype(np.int32)
+        vals = np.concatenate([r["sparse_vals"].reshape(-1, k) for r in reqs]).astype(np.float32)
+        kw["draft_probs"] = ("sparse", ids, vals)
+    else:
+        kw["draft_probs"] = None
+    return (logits, tokens, nd), kw
+
+
+def draft_arg(spec):
+    """The ``draft_probs`` argument described by ``pack``'s tuple."""
+    import specfast
+
+    if spec is None:
+        return None
+    if spec[0] == "dense":
+        return spec[1]
+    return specfast.SparseProbs(spec[1], spec[2])
+
+
+def call_verify(args, kw, **over):
+    """specfast.verify(*args, **kw) with the draft_probs tuple resolved; ``over`` wins."""
+    import specfast
+
+    kw = dict(kw, **over)
+    kw["draft_probs"] = draft_arg(kw.get("draft_probs"))
+    return specfast.verify(*args, **kw)
+
+
+def request_slices(num_draft):
+    """(row offset, node offset) of each request of a ragged batch."""
+    nd = np.asarray(num_draft, np.int64)
+    nodes = np.concatenate([[0], np.cumsum(nd)])[:-1]
+    rows = np.concatenate([[0], np.cumsum(nd + 1)])[:-1]
+    return rows, nodes
+
+
+def check_structure(result, draft_tokens, num_draft, parents, vocab):
+    """Shapes, dtypes, padding and path consistency of a verify result (numpy)."""
+    tokens = np.asarray(result.tokens)
+    nacc = np.asarray(result.num_accepted)
+    nodes = np.asarray(result.accepted_nodes)
+    nd = np.asarray(num_draft, np.int64)
+    B = nd.size
+    md = int(nd.max()) if B else 0
+    assert tokens.shape == (B, md + 1), tokens.shape
+    assert nacc.shape == (B,), nacc.shape
+    assert nodes.shape == (B, md), nodes.shape
+    assert tokens.dtype == np.int32 and nacc.dtype == np.int32 and nodes.dtype == np.int32
+    assert np.all((nacc >= 0) & (nacc <= nd)), "num_accepted outside [0, num_draft]"
+    col = np.arange(md + 1)[None]
+    emitted = col <= nacc[:, None]
+    assert np.all(tokens[~emitted] == -1), "tokens not padded with -1"
+    final = tokens[np.arange(B), nacc]
+    assert np.all((final >= 0) & (final < vocab)), "final token out of range"
+    acc = col[:, :md] < nacc[:, None]
+    assert np.all(nodes[~acc] == -1), "accepted_nodes not padded with -1"
+    assert np.all((nodes[acc] >= 0)), "accepted node index negative"
+    assert np.all(np.broadcast_to(nd[:, None], acc.shape)[acc] > nodes[acc]), "node >= num_draft"
+    _, node_off = request_slices(nd)
+    g = node_off[:, None] + np.where(acc, nodes, 0)
+    dt = np.asarray(draft_tokens)
+    assert np.all(tokens[:, :md][acc] == dt[g[acc]]), "accepted tokens are not the drafts"
+    if parents is None:
+        assert np.all(nodes[acc] == np.broadcast_to(col[:, :md], acc.shape)[acc]), "chain path"
+    else:
+        par = np.asarray(parents)
+        want = np.concatenate([np.full((B, 1), -1), nodes[:, :-1]], axis=1) if md else nodes
+        assert np.all(par[g[acc]] == want[acc]), "accepted nodes do not form a path"

@@ -9,11 +9,21 @@ power ~1: tests/test_stats.py proves both halves of that on numpy's own sampler.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from scipy import stats as sps
 
 ALPHA = 1e-6
 MIN_EXPECTED = 5.0
+
+# Sample sizes may be scaled down for a quick look (SPECFAST_TEST_SCALE=0.1, e.g. under a
+# debugger or a slow mock); the power claims above hold only at the default of 1.
+SCALE = float(os.environ.get("SPECFAST_TEST_SCALE", "1"))
+
+
+def scaled(n: int) -> int:
+    return max(int(n * SCALE), 200)
 
 
 def _pool(obs, exp):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import specfast as sf
-from reference import as_f64, ref_probs, ref_probs_row, safe_params, to_dtype
-from stats import assert_rate, assert_samples
+from reference import as_f64, order_of, ref_probs, ref_probs_row, safe_params, to_dtype
+from stats import assert_counts, assert_rate, assert_samples, scaled
 
 METHODS = ["rejection", "coupled"]
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -20,7 +20,7 @@ FILTERS = {
     "T=1.5,min_p=0.1": dict(temperature=1.5, min_p=0.1),
     "all-three": dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.02),
 }
-N = 100_000
+N = scaled(100_000)
 
 
 def row_logits(rng, vocab, dtype, banned=True):
@@ -70,7 +70,7 @@ def test_sample_rare_token_rate(method):
     p = np.array([0.6, 0.3999, 1e-4, 0.0])
     x = np.log(np.where(p > 0, p, 1.0)).astype(np.float32)
     x[3] = -np.inf
-    n = 400_000
+    n = scaled(400_000)
     tokens = sf.sample(np.repeat(x[None], n, axis=0), seed=5, position=np.arange(n), method=method)
     expected = ref_probs_row(x)
     assert_samples(tokens, expected, f"rare token ({method})")
@@ -91,12 +91,10 @@ def test_sample_large_vocab(method, dtype, rng):
     tokens = sf.sample(np.repeat(row, n, axis=0), seed=9, position=np.arange(n), method=method)
     assert tokens.min() >= 0 and tokens.max() < vocab
     counts = np.array([(tokens == c).sum() for c in cats] + [(~np.isin(tokens, cats)).sum()])
-    from stats import assert_counts
-
     assert_counts(counts, np.append(p[cats], 1 - p[cats].sum()), f"V=32000 ({method}, {dtype})")
     # With top_k = 2 only the two strongest tokens can come out.
     t2 = sf.sample(np.repeat(row, n, axis=0), top_k=2, seed=9, position=np.arange(n), method=method)
-    assert set(np.unique(t2)) <= {17, 20011}
+    assert set(np.unique(t2).tolist()) <= set(order_of(row[0])[:2].tolist())
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -154,7 +152,7 @@ def test_sample_per_row_parameters(rng):
 
 def test_sample_rows_of_different_distributions(rng):
     """Many different rows in one call, each repeated: every row's draws follow its own p."""
-    vocab, rows, reps = 9, 8, 25_000
+    vocab, rows, reps = 9, 8, scaled(25_000)
     x = (rng.standard_normal((rows, vocab)) * 1.5).astype(np.float32)
     temps = np.array([1.0, 0.5, 2.0, 1.0, 0.8, 1.0, 1.2, 0.7])
     top_k = np.array([0, 0, 0, 4, 0, 3, 0, 6])
@@ -171,8 +169,6 @@ def test_sample_rows_of_different_distributions(rng):
         ref = ref_probs(x, temps, top_k, top_p, min_p)
         counts = np.zeros((rows, vocab))
         np.add.at(counts, (idx, tokens), 1)
-        from stats import assert_counts
-
         assert_counts(counts, ref, f"mixed rows ({method})")
 
 
@@ -196,7 +192,7 @@ def test_coupled_noise_is_shared_per_token_id(case, rng):
     """Two different rows at the same (seed, position) agree exactly as often as Gumbel-max
     with one noise value per (seed, position, token id) predicts; at different positions
     they agree only as often as independent draws do."""
-    vocab, n = 10, 100_000
+    vocab, n = 10, scaled(100_000)
     a = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
     b = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
     ta = tb = 1.0
@@ -221,18 +217,6 @@ def test_coupled_noise_is_shared_per_token_id(case, rng):
     pos2 = np.concatenate([np.arange(n), np.arange(n) + n])
     tok2 = sf.sample(logits, temperature=temps, top_k=ks, seed=2024, position=pos2, method="coupled")
     assert_rate((tok2[:n] == tok2[n:]).sum(), n, float(p @ q), f"independent ({case})")
-
-
-def test_coupled_and_rejection_streams_both_valid_but_differ(rng):
-    """The two methods are different samplers of the same p (they need not agree)."""
-    x = (rng.standard_normal(12) * 1.5).astype(np.float32)
-    logits = np.repeat(x[None], N, 0)
-    r = sf.sample(logits, seed=3, position=np.arange(N), method="rejection")
-    c = sf.sample(logits, seed=3, position=np.arange(N), method="coupled")
-    p = ref_probs_row(x)
-    assert_samples(r, p, "rejection")
-    assert_samples(c, p, "coupled")
-    assert (r != c).mean() > 0.1
 
 
 def test_sample_default_method_is_rejection(rng):

@@ -5,11 +5,11 @@
  * token is decided the same way wherever it is computed:
  * - Philox4x32-10 streams keyed by the seed, counted by (position, purpose,
  *   index);
- * - exp and log as fixed polynomials in plain IEEE multiplies and adds (the
+ * - exp2 and log as fixed polynomials in plain IEEE multiplies and adds (the
  *   CPU builds with -ffp-contract=off; CUDA uses the _rn intrinsics, which are
  *   never fused), so no libm or FMA difference can change a result;
  * - probability masses as integers: a kept token weighs
- *   floor(exp((l - max) / T) * 2^40), and every sum of weights is an exact
+ *   floor(2^((l - max) * log2(e) / T) * 2^40), and every sum of weights is an exact
  *   integer, the same in any order.
  */
 #ifndef SF_SHARED_H
@@ -34,14 +34,15 @@
 #define SF_MASS_BITS 40
 #define SF_MASS_ONE 1099511627776.0f /* 2^40 */
 
-/* Below this scaled logit exp() is 0: such a token is never sampled. */
-#define SF_EXP_MIN (-87.0f)
+/* Below this power of two a token weighs 0 and is never sampled. */
+#define SF_EXP2_MIN (-125.0f)
+#define SF_LOG2E 1.44269504088896341f
 
 /* Purposes: independent random streams at one (seed, position). */
 enum {
     SF_PURPOSE_ACCEPT = 1, /* index: sibling order at a node */
     SF_PURPOSE_DRAW = 2,   /* index 0: inverse-CDF draw from a row */
-    SF_PURPOSE_NOISE = 3   /* index: token id / 4, Gumbel noise */
+    SF_PURPOSE_NOISE = 3   /* Gumbel noise: see sf_noise_word */
 };
 
 SF_HD uint32_t sf_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -73,6 +74,14 @@ SF_HD sf_u32x4 sf_philox(uint64_t seed, int64_t position, uint32_t purpose,
     return out;
 }
 
+/* The Philox word of token v's Gumbel noise: the 64 tokens from 64 s take
+ * the 4 words of the 16 blocks 16 s .. 16 s + 15, word c for tokens
+ * 64 s + 16 c + lane, so that 16 blocks at once give 16-token vectors. */
+SF_HD uint32_t sf_noise_word(uint64_t seed, int64_t position, int64_t v) {
+    uint32_t index = (uint32_t)((v >> 6) * 16 + (v & 15));
+    return sf_philox(seed, position, SF_PURPOSE_NOISE, index).v[(v >> 4) & 3];
+}
+
 /* 53 random bits from the first two words: a uniform integer in [0, 2^53). */
 SF_HD uint64_t sf_bits53(sf_u32x4 r) {
     return ((uint64_t)(r.v[0] >> 5) << 26) | (uint64_t)(r.v[1] >> 6);
@@ -97,27 +106,26 @@ SF_HD uint64_t sf_draw_target(sf_u32x4 r, uint64_t total) {
 
 /* ---- exp and log ---- */
 
-/* exp(x) for x <= 0 (x is a scaled logit minus the row max). 0 below
- * SF_EXP_MIN; exp(0) is exactly 1; NaN stays NaN. Cody-Waite reduction and a
- * degree-6 polynomial, relative error about 2e-7. */
-SF_HD float sf_exp(float x) {
+/* 2^y for y <= 0 (y is a logit minus the row max, times log2(e) / T):
+ * 0 below SF_EXP2_MIN, exactly 1 at 0. Rounds y to an integer n, then
+ * 2^(y - n) by a degree-5 polynomial fitted for relative error (1.9e-7 on
+ * [-1/2, 1/2]), then adds n to the exponent bits. A NaN y gives garbage: rows
+ * are checked for NaN before any exp. */
+SF_HD float sf_exp2(float y) {
     const float magic = 12582912.0f; /* 1.5 * 2^23: rounds to an integer */
-    float xc = x < SF_EXP_MIN ? SF_EXP_MIN : x; /* NaN passes through */
-    float t = SF_FADD(SF_FMUL(xc, 1.44269504088896341f), magic);
+    float yc = y < SF_EXP2_MIN ? SF_EXP2_MIN : y;
+    float t = SF_FADD(yc, magic);
     float n = SF_FSUB(t, magic);
-    int32_t ni = (int32_t)(sf_f2u(t) - sf_f2u(magic));
-    float r = SF_FSUB(xc, SF_FMUL(n, 0.693359375f));
-    r = SF_FSUB(r, SF_FMUL(n, -2.12194440e-4f));
-    float p = 1.38888889e-3f;
-    p = SF_FADD(SF_FMUL(p, r), 8.33333333e-3f);
-    p = SF_FADD(SF_FMUL(p, r), 4.16666667e-2f);
-    p = SF_FADD(SF_FMUL(p, r), 1.66666667e-1f);
-    p = SF_FADD(SF_FMUL(p, r), 0.5f);
-    p = SF_FADD(SF_FMUL(p, r), 1.0f);
-    p = SF_FADD(SF_FMUL(p, r), 1.0f);
-    float scale = sf_u2f((uint32_t)(ni + 127) << 23);
-    float e = SF_FMUL(p, scale);
-    return x < SF_EXP_MIN ? 0.0f : e;
+    uint32_t ni = sf_f2u(t) - sf_f2u(magic);
+    float f = SF_FSUB(yc, n);
+    float p = 1.326472848e-3f;
+    p = SF_FADD(SF_FMUL(p, f), 9.671512991e-3f);
+    p = SF_FADD(SF_FMUL(p, f), 5.550733581e-2f);
+    p = SF_FADD(SF_FMUL(p, f), 2.402224243e-1f);
+    p = SF_FADD(SF_FMUL(p, f), 6.931470037e-1f);
+    p = SF_FADD(SF_FMUL(p, f), 1.0f);
+    float e = sf_u2f(sf_f2u(p) + (ni << 23));
+    return y < SF_EXP2_MIN ? 0.0f : e;
 }
 
 /* Natural log of a positive normal x: exponent split, then the series of

@@ -126,6 +126,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->vocab = vocab;
     r->max = m;
     r->inv_t = 1.0f / p->temperature;
+    r->c = SF_FMUL(r->inv_t, SF_LOG2E);
     r->cut_logit = -INFINITY;
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;

@@ -18,12 +18,12 @@
 
 /* Which tokens of a row are kept, and how their weights are formed. A token v
  * with logit l is kept when (l > cut_logit || (l == cut_logit && v <= cut_id))
- * and its e = exp((l - max) * inv_t) >= min_e. */
+ * and its e = 2^((l - max) * c) >= min_e, where c = inv_t * log2(e). */
 typedef struct sf_row {
     const void *data; /* the row's logits */
     sf_dtype dtype;
     int64_t vocab;
-    float max, inv_t;
+    float max, inv_t, c;
     float cut_logit;
     int32_t cut_id;
     float min_e;

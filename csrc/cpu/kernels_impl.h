@@ -1,134 +1,132 @@
 /*
  * kernels_impl.h: the body of the CPU row kernels, included once per SIMD
- * level with SF_TABLE naming the table to define. Loops run over chunks of
- * SF_LANES tokens with one accumulator per lane, so the compiler maps each
- * lane loop onto vector instructions and every level adds in the same order.
+ * level with SF_TABLE naming the table to define. Work runs over chunks of 16
+ * tokens in the vectors of vec.h, with one accumulator per lane and integer
+ * masses, so every level returns the same bits.
  */
 #include <math.h>
 
 #include "rowmath.h"
+#include "vec.h"
 
-/* Loads tokens [i, i + 16) of a row as float; past the end, -inf. */
-static inline void load_chunk(const void *row, sf_dtype dtype, int64_t i,
-                              int64_t n, float *restrict x) {
+/* Tokens [i, i + 16) of a row as float; past the end, -inf. */
+static inline vf load_chunk(const void *row, sf_dtype dtype, int64_t i, int64_t n) {
     if (i + SF_LANES <= n) {
-        if (dtype == SF_F32) {
-            const float *p = (const float *)row + i;
-            for (int j = 0; j < SF_LANES; j++) x[j] = p[j];
-        } else if (dtype == SF_BF16) {
-            const uint16_t *p = (const uint16_t *)row + i;
-            for (int j = 0; j < SF_LANES; j++) x[j] = sf_bf16_to_f32(p[j]);
-        } else {
-            const uint16_t *p = (const uint16_t *)row + i;
-            for (int j = 0; j < SF_LANES; j++) x[j] = sf_f16_to_f32(p[j]);
-        }
-    } else {
-        for (int j = 0; j < SF_LANES; j++)
-            x[j] = i + j < n ? sf_load(row, dtype, i + j) : -INFINITY;
+        if (dtype == SF_F32) return vload((const float *)row + i);
+        if (dtype == SF_BF16) return vbf16((const uint16_t *)row + i);
+        return vf16((const uint16_t *)row + i);
     }
+    vf x;
+    for (int j = 0; j < SF_LANES; j++)
+        x[j] = i + j < n ? sf_load(row, dtype, i + j) : -INFINITY;
+    return x;
+}
+
+/* 16 floats from p + i, zeros past n. */
+static inline vf load_floats(const float *p, int64_t i, int64_t n) {
+    if (i + SF_LANES <= n) return vload(p + i);
+    vf x;
+    for (int j = 0; j < SF_LANES; j++) x[j] = i + j < n ? p[i + j] : 0.0f;
+    return x;
 }
 
 static float row_max(const void *row, sf_dtype dtype, int64_t n, int *bad) {
-    float m[SF_LANES];
-    int32_t b[SF_LANES];
-    for (int j = 0; j < SF_LANES; j++) { m[j] = -INFINITY; b[j] = 0; }
-    for (int64_t i = 0; i < n; i += SF_LANES) {
-        float x[SF_LANES];
-        load_chunk(row, dtype, i, n, x);
-        for (int j = 0; j < SF_LANES; j++) {
-            m[j] = x[j] > m[j] ? x[j] : m[j];
-            b[j] |= (x[j] != x[j]) | (x[j] == INFINITY);
-        }
+    /* Two chains of maxima, so that the compare latency overlaps. A NaN never
+     * wins a compare, so it is flagged apart; +inf shows as the max. */
+    vf m0 = vf_set(-INFINITY), m1 = m0;
+    vi nan = vi_set(0);
+    int64_t i = 0;
+    for (; i + 2 * SF_LANES <= n; i += 2 * SF_LANES) {
+        vf x0 = load_chunk(row, dtype, i, n), x1 = load_chunk(row, dtype, i + SF_LANES, n);
+        m0 = vsel(x0 > m0, x0, m0);
+        m1 = vsel(x1 > m1, x1, m1);
+        nan |= (x0 != x0) | (x1 != x1);
+    }
+    for (; i < n; i += SF_LANES) {
+        vf x = load_chunk(row, dtype, i, n);
+        m0 = vsel(x > m0, x, m0);
+        nan |= x != x;
     }
     float r = -INFINITY;
-    int any = 0;
     for (int j = 0; j < SF_LANES; j++) {
-        r = m[j] > r ? m[j] : r;
-        any |= b[j];
+        r = m0[j] > r ? m0[j] : r;
+        r = m1[j] > r ? m1[j] : r;
     }
-    *bad = any;
+    *bad = vany(nan) || r == INFINITY;
     return r;
 }
 
 static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max) {
     for (int64_t i = 0; i < n; i += SF_LANES) {
-        float x[SF_LANES];
-        load_chunk(row, dtype, i, n, x);
-        int hit = 0;
-        for (int j = 0; j < SF_LANES; j++) hit |= x[j] == max;
-        if (hit)
+        vf x = load_chunk(row, dtype, i, n);
+        if (vany(x == max))
             for (int j = 0; j < SF_LANES; j++)
                 if (x[j] == max) return i + j;
     }
     return -1;
 }
 
-/* Base values of one chunk read from the row; returns how many tokens are at
- * or above the cut. Chunks with no token above the cut skip the exp. */
-static inline int64_t row_base_chunk(const sf_row *r, int64_t i,
-                                     float *restrict b) {
-    float x[SF_LANES];
-    load_chunk(r->data, r->dtype, i, r->vocab, x);
-    int32_t above[SF_LANES];
-    int64_t count = 0;
-    for (int j = 0; j < SF_LANES; j++) {
-        above[j] = sf_above_cut(r, x[j], i + j) & (x[j] > -INFINITY);
-        count += above[j];
-    }
-    if (count == 0) {
-        for (int j = 0; j < SF_LANES; j++) b[j] = 0.0f;
-        return 0;
-    }
-    for (int j = 0; j < SF_LANES; j++) {
-        float e = sf_row_e(r, x[j]);
-        b[j] = (above[j] & (e >= r->min_e)) ? e : 0.0f;
-    }
-    return count;
+/* Lanes at or above the cut (never -inf). */
+static inline vi above_cut(const sf_row *r, vf x, int64_t i) {
+    vi ids = vi_iota((int32_t)i);
+    return ((x > r->cut_logit) | ((x == r->cut_logit) & (ids <= r->cut_id))) &
+           (x > -INFINITY);
 }
 
-static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
-                    float *resid, sf_weights_out *out) {
+static inline vf scaled(const sf_row *r, vf x) { return (x - r->max) * r->inv_t; }
+static inline vf row_e(const sf_row *r, vf x) { return vexp2((x - r->max) * r->c); }
+
+/* One weights pass, specialised by inlining on what the call needs: `cut`
+ * (filters or min-p apply), `from_row` (base values from the logits, else from
+ * in->base), `with_q` (a dense q to subtract) and `store` (resid output). */
+static inline __attribute__((always_inline)) void
+weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
+             float *resid, sf_weights_out *out, const int cut, const int from_row,
+             const int with_q, const int store) {
     const int64_t n = r->vocab;
     const float scale = in->scale;
     uint64_t total = 0;
-    int64_t kept = 0;
-    float qs[SF_LANES];
-    int32_t qbad[SF_LANES];
-    for (int j = 0; j < SF_LANES; j++) { qs[j] = 0.0f; qbad[j] = 0; }
-
+    vi kept = vi_set(0), qbad = vi_set(0);
+    vf qs = vf_set(0.0f);
     for (int64_t blk = 0; blk * SF_BLOCK < n; blk++) {
-        int32_t hi[SF_LANES], lo[SF_LANES];
-        for (int j = 0; j < SF_LANES; j++) { hi[j] = 0; lo[j] = 0; }
+        vi hi = vi_set(0), lo = vi_set(0);
         const int64_t end = (blk + 1) * SF_BLOCK < n ? (blk + 1) * SF_BLOCK : n;
         for (int64_t i = blk * SF_BLOCK; i < end; i += SF_LANES) {
-            const int full = i + SF_LANES <= n;
-            float b[SF_LANES], q[SF_LANES], rr[SF_LANES];
-            if (in->base) {
-                for (int j = 0; j < SF_LANES; j++)
-                    b[j] = (full || i + j < n) ? in->base[i + j] : 0.0f;
-            } else {
-                kept += row_base_chunk(r, i, b);
-            }
-            if (in->q) {
-                for (int j = 0; j < SF_LANES; j++) {
-                    q[j] = (full || i + j < n) ? in->q[i + j] : 0.0f;
-                    qs[j] += q[j];
-                    qbad[j] |= !(q[j] >= 0.0f) | (q[j] == INFINITY);
+            vf b;
+            if (from_row) {
+                vf x = load_chunk(r->data, r->dtype, i, n);
+                if (cut) {
+                    vi keep = above_cut(r, x, i);
+                    kept -= keep;
+                    if (with_q || vany(keep)) {
+                        vf e = row_e(r, x);
+                        b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
+                    } else {
+                        b = vf_set(0.0f);
+                    }
+                } else {
+                    kept -= x > -INFINITY;
+                    b = row_e(r, x); /* -inf (and padding) give 0 */
                 }
             } else {
-                for (int j = 0; j < SF_LANES; j++) q[j] = 0.0f;
+                b = load_floats(in->base, i, n);
             }
-            for (int j = 0; j < SF_LANES; j++) {
-                rr[j] = sf_resid(b[j], scale, q[j]);
-                int32_t h = sf_fixed_hi(rr[j]);
-                hi[j] += h;
-                lo[j] += sf_fixed_lo(rr[j], h);
+            vf rr;
+            if (with_q) {
+                vf q = load_floats(in->q, i, n);
+                qs += q;
+                qbad |= ~(q >= 0.0f) | (q == INFINITY);
+                rr = vresid(b, scale, q);
+            } else {
+                rr = vresid(b, scale, vf_set(0.0f));
             }
-            if (resid) {
-                if (full)
-                    for (int j = 0; j < SF_LANES; j++) resid[i + j] = rr[j];
-                else
-                    for (int j = 0; i + j < n; j++) resid[i + j] = rr[j];
+            vf s = rr * 1048576.0f;
+            vi h = __builtin_convertvector(s, vi);
+            hi += h;
+            lo += __builtin_convertvector((s - __builtin_convertvector(h, vf)) * 1048576.0f, vi);
+            if (store) {
+                if (i + SF_LANES <= n) vstore(resid + i, rr);
+                else for (int j = 0; i + j < n; j++) resid[i + j] = rr[j];
             }
         }
         int64_t hs = 0, ls = 0;
@@ -137,68 +135,80 @@ static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
         if (blocks) blocks[blk] = bs;
         total += bs;
     }
+    int64_t k = 0;
     float qsum = 0.0f;
-    int bad = 0;
-    for (int j = 0; j < SF_LANES; j++) { qsum += qs[j]; bad |= qbad[j]; }
+    for (int j = 0; j < SF_LANES; j++) { k += kept[j]; qsum += qs[j]; }
     out->total = total;
-    out->kept = kept;
+    out->kept = from_row ? k : 0;
     out->q_sum = qsum;
-    out->q_bad = bad;
+    out->q_bad = vany(qbad);
 }
 
-/* Philox words of 16 consecutive tokens starting at i (a multiple of 16). */
-static inline void noise_words(uint64_t seed, int64_t position, int64_t i,
-                               uint32_t *restrict w) {
-    for (int c = 0; c < SF_LANES / 4; c++) {
-        sf_u32x4 r = sf_philox(seed, position, SF_PURPOSE_NOISE,
-                               (uint32_t)((i >> 2) + c));
-        for (int j = 0; j < 4; j++) w[4 * c + j] = r.v[j];
+#define SF_WEIGHTS_CASE(c, f, q, s) \
+    case (c) | (f) << 1 | (q) << 2 | (s) << 3: \
+        weights_body(r, in, blocks, resid, out, c, f, q, s); \
+        return;
+
+static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
+                    float *resid, sf_weights_out *out) {
+    const int cut = r->cut_logit > -INFINITY || r->min_e > 0.0f;
+    switch (cut | !in->base << 1 | (in->q != NULL) << 2 | (resid != NULL) << 3) {
+    SF_WEIGHTS_CASE(0, 0, 0, 0) SF_WEIGHTS_CASE(1, 0, 0, 0)
+    SF_WEIGHTS_CASE(0, 1, 0, 0) SF_WEIGHTS_CASE(1, 1, 0, 0)
+    SF_WEIGHTS_CASE(0, 0, 1, 0) SF_WEIGHTS_CASE(1, 0, 1, 0)
+    SF_WEIGHTS_CASE(0, 1, 1, 0) SF_WEIGHTS_CASE(1, 1, 1, 0)
+    SF_WEIGHTS_CASE(0, 0, 0, 1) SF_WEIGHTS_CASE(1, 0, 0, 1)
+    SF_WEIGHTS_CASE(0, 1, 0, 1) SF_WEIGHTS_CASE(1, 1, 0, 1)
+    SF_WEIGHTS_CASE(0, 0, 1, 1) SF_WEIGHTS_CASE(1, 0, 1, 1)
+    SF_WEIGHTS_CASE(0, 1, 1, 1) SF_WEIGHTS_CASE(1, 1, 1, 1)
     }
 }
 
-/* A Philox word at or above this cannot lift a token's key by more than g:
- * G(w) > g needs U < 1 - exp(-exp(-g)). Doubled, plus slack, to stay safe
- * against the rounding of sf_gumbel; only speed depends on it. */
-static inline uint64_t noise_bound(float g) {
-    if (!(g > 2.0f)) return (uint64_t)1 << 32;
-    double u = -expm1(-exp(-(double)g));
-    double w = 2.0 * u * 4294967296.0 + 4096.0;
-    return w >= 4294967296.0 ? (uint64_t)1 << 32 : (uint64_t)w;
+/* A Philox word at or above this cannot give Gumbel noise above g:
+ * G(w) > g needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g)) < exp(-g).
+ * Doubled, plus slack, to stay safe against rounding; only speed depends on
+ * it. Every key is (l - max) / T + G <= G, so one bound from the best key so
+ * far serves all tokens. */
+static inline uint32_t noise_bound(float best) {
+    if (!(best > 1.0f)) return UINT32_MAX;
+    if (best > 30.0f) return 0; /* no word gives G above 23 */
+    float u = sf_exp2(-best * SF_LOG2E);
+    return (uint32_t)(u * 8589934592.0f) + 4096u; /* 2 u 2^32 */
 }
 
 static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) {
     const int64_t n = r->vocab;
     float best = -INFINITY;
     int64_t best_id = -1;
-    for (int64_t i = 0; i < n; i += SF_LANES) {
-        float x[SF_LANES], s[SF_LANES];
-        int32_t keep[SF_LANES];
-        load_chunk(r->data, r->dtype, i, n, x);
-        float smax = -INFINITY;
-        for (int j = 0; j < SF_LANES; j++) {
-            keep[j] = sf_above_cut(r, x[j], i + j) & (x[j] > -INFINITY);
-            if (r->min_e > 0.0f) keep[j] &= sf_row_e(r, x[j]) >= r->min_e;
-            s[j] = keep[j] ? SF_FMUL(SF_FSUB(x[j], r->max), r->inv_t) : -INFINITY;
-            smax = s[j] > smax ? s[j] : smax;
+    uint32_t bound = UINT32_MAX;
+    /* 64 tokens at a time: one vector Philox call gives all their words. */
+    for (int64_t i0 = 0; i0 < n && bound > 0; i0 += 4 * SF_LANES) {
+        vf s[4];
+        vi keep[4], any = vi_set(0);
+        for (int c = 0; c < 4; c++) {
+            const int64_t i = i0 + c * SF_LANES;
+            vf x = i < n ? load_chunk(r->data, r->dtype, i, n) : vf_set(-INFINITY);
+            keep[c] = above_cut(r, x, i);
+            if (r->min_e > 0.0f) keep[c] &= row_e(r, x) >= r->min_e;
+            s[c] = scaled(r, x);
+            any |= keep[c];
         }
-        if (smax == -INFINITY) continue;
-        uint32_t w[SF_LANES];
-        noise_words(seed, position, i, w);
-        /* Most chunks cannot beat the best key: only tokens whose noise
-         * word is small enough get their Gumbel noise computed. */
-        uint64_t bound = best_id < 0 ? (uint64_t)1 << 32
-                                     : noise_bound(best - smax);
-        int32_t cand[SF_LANES];
-        int any = 0;
-        for (int j = 0; j < SF_LANES; j++) {
-            cand[j] = keep[j] & ((uint64_t)w[j] < bound);
-            any |= cand[j];
-        }
-        if (!any) continue;
-        for (int j = 0; j < SF_LANES; j++) {
-            if (!cand[j]) continue;
-            float key = SF_FADD(s[j], sf_gumbel(w[j]));
-            if (key > best || best_id < 0) { best = key; best_id = i + j; }
+        if (!vany(any)) continue;
+        vu w[4];
+        vphilox(seed, position, SF_PURPOSE_NOISE,
+                (vu)vi_iota((int32_t)((i0 >> 6) * 16)), w);
+        for (int c = 0; c < 4; c++) {
+            vi cand = keep[c] & ((vi)(w[c] < bound) | (bound == UINT32_MAX ? -1 : 0));
+            if (!vany(cand)) continue;
+            for (int j = 0; j < SF_LANES; j++) {
+                if (!cand[j]) continue;
+                float key = SF_FADD(s[c][j], sf_gumbel(w[c][j]));
+                if (key > best || best_id < 0) {
+                    best = key;
+                    best_id = i0 + c * SF_LANES + j;
+                    bound = noise_bound(best);
+                }
+            }
         }
     }
     return best_id;
@@ -209,22 +219,19 @@ static int64_t gather(const sf_row *r, float lo, float hi, int32_t *ids,
     const int64_t n = r->vocab;
     int64_t count = 0;
     for (int64_t i = 0; i < n; i += SF_LANES) {
-        float x[SF_LANES];
-        load_chunk(r->data, r->dtype, i, n, x);
-        int hit = 0;
-        for (int j = 0; j < SF_LANES; j++) hit |= (x[j] >= lo) & (x[j] < hi);
-        if (!hit) continue;
+        vf x = load_chunk(r->data, r->dtype, i, n);
+        vi hit = (x >= lo) & (x < hi);
+        if (!vany(hit)) continue;
         for (int j = 0; j < SF_LANES; j++) {
-            if (x[j] >= lo && x[j] < hi && i + j < n) {
-                if (count < cap) { ids[count] = (int32_t)(i + j); vals[count] = x[j]; }
-                count++;
-            }
+            if (!hit[j]) continue;
+            if (count < cap) { ids[count] = (int32_t)(i + j); vals[count] = x[j]; }
+            count++;
         }
     }
     return count;
 }
 
-/* (val, id) ranks before (val2, id2) in (value descending, id ascending). */
+/* (a, ia) ranks before (b, ib) in (value descending, id ascending). */
 static inline int ranks_before(float a, int32_t ia, float b, int32_t ib) {
     return a > b || (a == b && ia < ib);
 }
@@ -234,12 +241,12 @@ static inline void swap_entries(int32_t *ids, float *vals, int64_t a, int64_t b)
     float tv = vals[a]; vals[a] = vals[b]; vals[b] = tv;
 }
 
-/* Moves the k best entries to [0, k) (unordered), k-th best at k - 1. */
+/* Moves the k best entries to [0, k) (unordered), the k-th best to k - 1. */
 static void select_best(int32_t *ids, float *vals, int64_t n, int64_t k) {
     int64_t lo = 0, hi = n - 1;
     while (lo < hi) {
         int64_t mid = lo + (hi - lo) / 2;
-        /* Median of three to position mid, then Lomuto partition. */
+        /* Median of three to position hi, then a Lomuto partition. */
         if (ranks_before(vals[mid], ids[mid], vals[lo], ids[lo])) swap_entries(ids, vals, mid, lo);
         if (ranks_before(vals[hi], ids[hi], vals[lo], ids[lo])) swap_entries(ids, vals, hi, lo);
         if (ranks_before(vals[hi], ids[hi], vals[mid], ids[mid])) swap_entries(ids, vals, hi, mid);
@@ -261,12 +268,10 @@ static int64_t topk(const sf_row *r, int64_t k, int32_t *ids, float *vals,
     int64_t count = 0;
     float thr = -INFINITY; /* a token enters only above the k-th best so far */
     for (int64_t i = 0; i < n; i += SF_LANES) {
-        float x[SF_LANES];
-        load_chunk(r->data, r->dtype, i, n, x);
-        int hit = 0;
-        for (int j = 0; j < SF_LANES; j++) hit |= x[j] > thr;
-        if (!hit) continue;
-        for (int j = 0; j < SF_LANES && i + j < n; j++) {
+        vf x = load_chunk(r->data, r->dtype, i, n);
+        vi hit = x > thr;
+        if (!vany(hit)) continue;
+        for (int j = 0; j < SF_LANES; j++) {
             if (!(x[j] > thr)) continue;
             ids[count] = (int32_t)(i + j);
             vals[count] = x[j];

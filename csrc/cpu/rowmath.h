@@ -23,7 +23,7 @@ static inline int sf_above_cut(const sf_row *r, float l, int64_t v) {
 }
 
 static inline float sf_row_e(const sf_row *r, float l) {
-    return sf_exp(SF_FMUL(SF_FSUB(l, r->max), r->inv_t));
+    return sf_exp2(SF_FMUL(SF_FSUB(l, r->max), r->c));
 }
 
 /* Base value of a token read from the row: e when kept, else 0. */

@@ -1,0 +1,111 @@
+/*
+ * vec.h: 16-lane vectors in GCC's vector extensions. The same source becomes
+ * zmm code with -mavx512f, pairs of ymm with -mavx2 and quads of xmm on plain
+ * x86-64, and each lane does exactly the scalar operations of shared.h, in the
+ * same order, so every level rounds alike.
+ */
+#ifndef SF_CPU_VEC_H
+#define SF_CPU_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "../common/shared.h"
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+static inline vf vf_set(float x) { return (vf){0} + x; }
+static inline vi vi_set(int32_t x) { return (vi){0} + x; }
+static inline vi vi_iota(int32_t x) {
+    return (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + x;
+}
+
+/* m ? a : b, lane by lane (m lanes are 0 or -1, as comparisons give). */
+static inline vf vsel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
+
+/* Any lane set: a halving tree of vector ORs, not 16 lane extracts. */
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+static inline int vany(vi m) {
+    vi8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) |
+            __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+    vi4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) |
+            __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] | b[1] | b[2] | b[3]) != 0;
+}
+
+static inline vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+static inline vf vbf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline vf vf16(const uint16_t *p) {
+    vh h16;
+    memcpy(&h16, p, sizeof h16);
+    vu h = __builtin_convertvector(h16, vu);
+    vu sign = (h & 0x8000u) << 16;
+    vu exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    vu normal = sign | ((exp + 112u) << 23) | (man << 13);
+    vu special = sign | 0x7F800000u | (man << 13);
+    vf subf = __builtin_convertvector((vi)man, vf) * 5.9604644775390625e-8f;
+    vu sub = sign | (vu)subf;
+    vi is0 = (vi)(exp == 0), is31 = (vi)(exp == 31);
+    return (vf)(((vu)is0 & sub) | ((vu)is31 & special) | (~(vu)(is0 | is31) & normal));
+}
+
+/* sf_exp2, lane by lane. */
+static inline vf vexp2(vf y) {
+    const vf magic = vf_set(12582912.0f);
+    vi low = y < SF_EXP2_MIN;
+    vf yc = vsel(low, vf_set(SF_EXP2_MIN), y);
+    vf t = yc + magic;
+    vf n = t - magic;
+    vu ni = (vu)t - (vu)magic;
+    vf f = yc - n;
+    vf p = vf_set(1.326472848e-3f);
+    p = p * f + 9.671512991e-3f;
+    p = p * f + 5.550733581e-2f;
+    p = p * f + 2.402224243e-1f;
+    p = p * f + 6.931470037e-1f;
+    p = p * f + 1.0f;
+    vf e = (vf)((vu)p + (ni << 23));
+    return vsel(low, vf_set(0.0f), e);
+}
+
+/* sf_philox for 16 counters that differ in their index word. */
+typedef uint64_t vq __attribute__((vector_size(128)));
+static inline void vphilox(uint64_t seed, int64_t position, uint32_t purpose,
+                           vu index, vu out[4]) {
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    vu c0 = (vu){0} + (uint32_t)(uint64_t)position;
+    vu c1 = (vu){0} + (uint32_t)((uint64_t)position >> 32);
+    vu c2 = (vu){0} + purpose, c3 = index;
+    for (int r = 0; r < 10; r++) {
+        vq p0 = __builtin_convertvector(c0, vq) * 0xD2511F53u;
+        vq p1 = __builtin_convertvector(c2, vq) * 0xCD9E8D57u;
+        vu n0 = __builtin_convertvector(p1 >> 32, vu) ^ c1 ^ k0;
+        vu n2 = __builtin_convertvector(p0 >> 32, vu) ^ c3 ^ k1;
+        c1 = __builtin_convertvector(p1, vu);
+        c3 = __builtin_convertvector(p0, vu);
+        c0 = n0;
+        c2 = n2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+}
+
+/* max(0, b * scale - q), NaN to 0, as sf_resid. */
+static inline vf vresid(vf b, float scale, vf q) {
+    vf x = b * scale - q;
+    return vsel(x > 0.0f, x, vf_set(0.0f));
+}
+
+#endif /* SF_CPU_VEC_H */

@@ -1,0 +1,675 @@
+"""specfast.verify: exactness of rejection sampling (chains and trees; no, dense and sparse
+draft probabilities), coupled verification, greedy, keys and batch invariance.
+
+Statistical tests replicate one request many times in ONE call, each copy with its own
+seed and position. Two kinds:
+- fixed drafts: the exact distribution of (accepted path, emitted token) is computed by
+  tests/reference.py:tree_outcomes and compared by chi-square;
+- random drafts from a toy drafter (reference.ToyLM): the emitted text must follow the
+  target alone (first token ~ p(row 0); given the prefix, the next ~ p(that row)), and
+  depth-0 acceptance must be sum_x min(p(x), q(x)).
+"""
+
+import numpy as np
+import pytest
+
+import specfast as sf
+from reference import (
+    ToyLM,
+    as_f64,
+    build_toy_batch,
+    call_verify,
+    chain_parents,
+    check_structure,
+    children_of,
+    draft_arg,
+    node_depths,
+    one_hot,
+    outcome_keys,
+    pack,
+    random_request,
+    ref_probs,
+    ref_probs_row,
+    request_slices,
+    safe_params,
+    simulate_coupled,
+    sparse_to_dense,
+    to_dtype,
+    tree_outcomes,
+)
+from stats import assert_outcomes, assert_rate, assert_samples, assert_transitions, scaled
+
+B_FIXED = scaled(100_000)  # copies of one request with fixed drafts
+B_TOY = scaled(60_000)  # requests with random drafts
+
+
+def replicate(rows, tokens, parents, q, batch, rng, *, kind, dtype="float32", chain=False):
+    """``batch`` copies of one request, each with its own seed and position."""
+    n = len(tokens)
+    logits = to_dtype(np.tile(np.asarray(rows, np.float32), (batch, 1)), dtype)
+    kw = dict(
+        parents=None if chain else np.tile(np.asarray(parents, np.int32), batch),
+        seed=(np.arange(batch, dtype=np.uint64) * 2654435761 + 17).astype(np.uint64),
+        position=rng.integers(0, 2**40, batch),
+    )
+    if kind == "none":
+        kw["draft_probs"] = None
+    elif kind == "dense":
+        kw["draft_probs"] = ("dense", np.tile(np.asarray(q, np.float32), (batch, 1)))
+    else:
+        ids, vals = q
+        kw["draft_probs"] = (
+            "sparse",
+            np.tile(np.asarray(ids, np.int32), (batch, 1)),
+            np.tile(np.asarray(vals, np.float32), (batch, 1)),
+        )
+    draft_tokens = np.tile(np.asarray(tokens, np.int32), batch)
+    num_draft = np.full(batch, n, np.int32)
+    return (logits, draft_tokens, num_draft), kw
+
+
+def dirichlet32(rng, vocab, n, alpha=0.7):
+    q = rng.dirichlet(np.full(vocab, alpha), size=n)
+    return (q / q.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Fixed drafts: exact outcome distribution
+# ---------------------------------------------------------------------------------------
+
+
+def fixed_case(name, rng):
+    """(rows (n+1, V) float32 logits, parents, tokens, kind, q, q_dense (n, V), params)."""
+    V = 8
+    params = {}
+    tree3 = np.array([-1, -1, -1, 0, 0, 1, 3], np.int32)
+    if name.startswith("chain0"):
+        rows = rng.standard_normal((1, V)) * 1.5
+        return rows, np.zeros(0, np.int32), np.zeros(0, np.int32), "none", None, np.zeros((0, V)), params
+    if name.startswith("chain"):
+        n = int(name[5])
+        parents = chain_parents(n)
+    else:
+        parents = tree3
+        n = len(parents)
+    rows = rng.standard_normal((n + 1, V)) * 1.5
+    if "filters" in name:
+        params = dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05)
+    if "greedy" in name:
+        params = dict(temperature=0.0)
+    ch = children_of(parents, n)
+    kind = "none" if "none" in name else ("sparse" if "sparse" in name else "dense")
+    # Drafts: a mix of likely and unlikely tokens of the parent's row.
+    tokens = np.zeros(n, np.int32)
+    q = dirichlet32(rng, V, n)
+    for par, kids in ch.items():
+        order = np.argsort(-rows[par + 1])
+        for j, c in enumerate(kids):
+            tokens[c] = order[[1, 0, 3, 5][j % 4]]
+    if "iid" in name and len(ch[-1]) >= 2:
+        # i.i.d. siblings may repeat a token
+        tokens[ch[-1][1]] = tokens[ch[-1][0]]
+        for c in ch[-1]:
+            q[c] = q[ch[-1][0]]
+    if "distinct" in name:
+        for par, kids in ch.items():
+            base = q[kids[0]].astype(np.float64) if kids else None
+            for j, c in enumerate(kids):
+                left = base.copy()
+                left[tokens[kids[:j]]] = 0.0
+                q[c] = (left / left.sum()).astype(np.float32)
+    if "q0" in name:
+        q[0, tokens[0]] = 0.0  # a draft its drafter could not have drawn: always rejected
+        q[0] /= q[0].sum()
+    if "banned" in name:
+        rows[0, tokens[0]] = -np.inf  # p(x) = 0: never accepted, whatever the coin
+    if "filtered-draft" in name:
+        tokens[0] = np.argsort(-rows[0])[6]  # outside top_k = 5
+    q = q.astype(np.float32)
+    if kind == "none":
+        q_dense = one_hot(tokens, V)
+        qarg = None
+    elif kind == "dense":
+        q_dense = q.astype(np.float64)
+        qarg = q
+    else:
+        K = 4
+        ids = np.full((n, K), -1, np.int32)
+        vals = np.zeros((n, K), np.float32)
+        for i in range(n):
+            top = np.argsort(-q[i], kind="stable")[:3]  # 3 ids in 4 slots: one -1 slot
+            if i != 2 and tokens[i] not in top:
+                top[-1] = tokens[i]
+            # node 2 keeps a draft outside its ids: q(x) = 0, rejected
+            w = q[i, top].astype(np.float64)
+            ids[i, [0, 1, 3]] = top
+            vals[i, [0, 1, 3]] = (w / w.sum()).astype(np.float32)
+        qarg = (ids, vals)
+        q_dense = sparse_to_dense(ids, vals, V)
+    return rows.astype(np.float32), parents, tokens, kind, qarg, q_dense, params
+
+
+FIXED_CASES = [
+    "chain0",
+    "chain1-dense",
+    "chain3-none",
+    "chain3-dense",
+    "chain3-sparse",
+    "chain2-dense-q0",
+    "chain2-none-banned",
+    "chain2-dense-banned",
+    "chain4-dense-filters",
+    "chain3-none-filters-filtered-draft",
+    "chain3-dense-greedy",
+    "tree-none",
+    "tree-dense-iid",
+    "tree-dense-distinct",
+    "tree-sparse",
+    "tree-dense-distinct-filters",
+    "tree-none-greedy",
+]
+
+
+FIXED_PARAMS = [(name, "float32") for name in FIXED_CASES] + [
+    (name, dtype)
+    for name in ["chain3-dense", "tree-dense-distinct-filters"]
+    for dtype in ["float16", "bfloat16"]
+]
+
+
+@pytest.mark.parametrize("name, dtype", FIXED_PARAMS, ids=["-".join(p) for p in FIXED_PARAMS])
+def test_fixed_drafts_exact_outcomes(name, dtype, rng):
+    """P(accepted path, emitted token) for fixed drafts is exactly what recursive rejection
+    sampling gives (acceptance min(1, p'/q), residual max(0, p' - q) carried over
+    siblings, bonus token after an accepted leaf)."""
+    rows, parents, tokens, kind, qarg, q_dense, params = fixed_case(name, rng)
+    logits_low = to_dtype(rows, dtype)
+    rows64 = as_f64(logits_low)
+    if "top_p" in params:
+        params["top_p"], params["min_p"] = safe_params(
+            rows64, params["temperature"], params["top_k"], params["top_p"], params["min_p"]
+        )
+    p_rows = ref_probs(rows64, **params)
+    expected = tree_outcomes(p_rows, parents, tokens, q_dense)
+    chain = name.startswith("chain")
+    args, kw = replicate(
+        rows, tokens, parents, qarg, B_FIXED, rng, kind=kind, dtype=dtype, chain=chain
+    )
+    res = call_verify(args, kw, **params)
+    assert isinstance(res.tokens, np.ndarray)
+    check_structure(res, args[1], args[2], kw["parents"], rows.shape[1])
+    assert_outcomes(outcome_keys(res), expected, f"{name} ({dtype}, {params})")
+
+
+@pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
+def test_zero_probability_draft_is_never_accepted(kind, rng):
+    """p(x) = 0 (banned or filtered) or q(x) = 0 means rejection, whatever the coin: the
+    comparison is strict and the uniform never 0 (the SGLang coin == 0 bug)."""
+    V, n = 6, 200_000
+    rows = rng.standard_normal((2, V)).astype(np.float32)
+    rows[0, 2] = -np.inf
+    ids = np.array([[2, 4, -1]], np.int32)
+    vals = np.array([[0.5, 0.5, 0.0]], np.float32)
+    q = np.full((1, V), 1 / V, np.float32)
+    qarg = {"none": None, "dense": q, "sparse": (ids, vals)}[kind]
+    args, kw = replicate(rows, [2], [-1], qarg, n, rng, kind=kind, chain=True)
+    res = call_verify(args, kw)
+    assert np.all(res.num_accepted == 0)
+    assert np.all(res.tokens[:, 0] != 2)
+    # filtered by top_k = 2 (token 2 is not banned here)
+    rows[0] = [0.0, 3.0, 1.0, 2.0, -1.0, 0.5]
+    args, kw = replicate(rows, [2], [-1], qarg, n, rng, kind=kind, chain=True)
+    res = call_verify(args, kw, top_k=2)
+    assert np.all(res.num_accepted == 0)
+    assert set(np.unique(res.tokens[:, 0])) <= {1, 3}
+
+
+# ---------------------------------------------------------------------------------------
+# Random drafts from a toy drafter: the emitted text follows the target alone
+# ---------------------------------------------------------------------------------------
+
+STRUCTURES = {
+    "chain1": [-1],
+    "chain4": [-1, 0, 1, 2],
+    "tree": [-1, -1, -1, 0, 0, 1, 3, 6],
+    "wide4": [-1, -1, -1, -1],
+}
+TOY_FILTERS = {
+    "no-filter": dict(),
+    "filters": dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.05),
+}
+TOY_CASES = [
+    (s, k, sib)
+    for s in STRUCTURES
+    for k in ["none", "dense", "sparse"]
+    for sib in (["distinct"] if s.startswith("chain") or k == "none" else ["iid", "distinct"])
+]
+
+
+def toy_params(lm, filters, batch, per_request):
+    f = dict(filters)
+    if "top_p" in f:
+        f["top_p"], f["min_p"] = safe_params(
+            lm.all_rows(), f["temperature"], f["top_k"], f["top_p"], f["min_p"]
+        )
+    if per_request:  # the same values as per-request arrays
+        f = {
+            k: np.full(batch, v, np.int32 if k == "top_k" else np.float32) for k, v in f.items()
+        }
+        ref = {k: v[0].item() for k, v in f.items()}
+    else:
+        ref = f
+    return f, ref
+
+
+@pytest.mark.parametrize("filters", list(TOY_FILTERS), ids=list(TOY_FILTERS))
+@pytest.mark.parametrize(
+    "structure, kind, siblings", TOY_CASES, ids=["-".join(c) for c in TOY_CASES]
+)
+def test_random_drafts_emit_target_text(structure, kind, siblings, filters, rng):
+    vocab = 10
+    lm = ToyLM(vocab, seed=7)
+    parents = np.array(STRUCTURES[structure], np.int32)
+    b = build_toy_batch(lm, B_TOY, parents, kind=kind, siblings=siblings, rng=rng)
+    f, ref = toy_params(lm, TOY_FILTERS[filters], B_TOY, per_request=(filters == "filters"))
+    p_root, p_trans = lm.target(**ref)
+    seeds = rng.integers(0, 2**63, B_TOY).astype(np.uint64)
+    pos = rng.integers(0, 2**40, B_TOY)
+    res = sf.verify(
+        b["logits"], b["draft_tokens"], b["num_draft"],
+        draft_probs=draft_arg(b["draft_probs"]), parents=b["parents"],
+        seed=seeds, position=pos, **f,
+    )
+    check_structure(res, b["draft_tokens"], b["num_draft"], b["parents"], vocab)
+    what = f"{structure}/{kind}/{siblings}/{filters}"
+    tokens, nacc = np.asarray(res.tokens), np.asarray(res.num_accepted)
+    # (a) the first emitted token follows the target's row 0
+    assert_samples(tokens[:, 0], p_root, f"{what}: first token")
+    # (b) given the prefix, every later token follows the target's row for that prefix
+    depth = int(node_depths(parents).max()) + 1
+    for d in range(1, depth + 1):
+        m = nacc >= d
+        assert_transitions(tokens[m, d - 1], tokens[m, d], p_trans, f"{what}: token {d}")
+    # (c) the first child of the root is accepted with probability sum_x min(p(x), q(x))
+    first = children_of(parents, len(parents))[-1][0]
+    beta = np.minimum(p_root[None], b["q_first"]).sum(axis=1).mean()
+    hit = (np.asarray(res.accepted_nodes)[:, 0] == first) if len(parents) else np.zeros(0)
+    assert_rate(hit.sum(), B_TOY, beta, f"{what}: acceptance of the first draft")
+
+
+def test_acceptance_rate_catches_always_reject(rng):
+    """With a drafter close to the target, most first drafts are accepted (a kernel that
+    always rejects and samples the residual would pass (a) and (b) but not this)."""
+    lm = ToyLM(10, seed=3, draft_noise=0.05)
+    b = build_toy_batch(lm, 20_000, chain_parents(3), kind="dense", siblings="distinct", rng=rng)
+    res = sf.verify(
+        b["logits"], b["draft_tokens"], b["num_draft"], draft_probs=b["draft_probs"][1],
+        seed=np.arange(20_000, dtype=np.uint64), position=0,
+    )
+    assert np.asarray(res.num_accepted).mean() > 2.5
+
+
+# ---------------------------------------------------------------------------------------
+# Keys: the bonus token is sample()'s token at the same (seed, position)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
+@pytest.mark.parametrize("layout", ["chain", "tree"])
+def test_bonus_token_equals_sample(layout, kind, rng):
+    """All drafts accepted (their target probability is 1) -> the bonus token is
+    sample(row of the last accepted node, seed, position + depth, method="rejection")."""
+    V, B = 12, 3000
+    reqs = []
+    for b in range(B):
+        nd = int(rng.integers(0, 5))
+        logits = (rng.standard_normal((nd + 1, V)) * 1.5).astype(np.float32)
+        if layout == "chain":
+            parents = chain_parents(nd)
+            path = list(range(nd))
+        else:  # the path is 0 -> 2 -> 3 -> ...; node 1, a sibling of 0, is never tried
+            parents = np.array([-1, -1, 0] + list(range(2, nd - 1)), np.int32)[:nd]
+            path = [0] + list(range(2, nd)) if nd else []
+        tokens = rng.integers(0, V, nd).astype(np.int32)
+        for i in path:  # force acceptance along the path
+            row = parents[i] + 1
+            logits[row] = -np.inf
+            logits[row, tokens[i]] = 0.0
+        q = one_hot(tokens, V).astype(np.float32)
+        reqs.append(
+            dict(
+                logits=logits, tokens=tokens, parents=parents, dense=q,
+                sparse_ids=np.stack([tokens, np.full(nd, -1)], 1).astype(np.int32),
+                sparse_vals=np.stack([np.ones(nd), np.zeros(nd)], 1).astype(np.float32),
+                temperature=float(rng.choice([0.7, 1.0, 1.3])), top_k=int(rng.choice([0, 5])),
+                top_p=float(rng.choice([1.0, 0.9])), min_p=0.0,
+                seed=int(rng.integers(0, 2**63)), position=int(rng.integers(0, 2**40)),
+                path=path,
+            )
+        )
+    args, kw = pack(reqs, kind, with_parents=(layout == "tree"))
+    res = call_verify(args, kw)
+    check_structure(res, args[1], args[2], kw["parents"], V)
+    depth = np.array([len(r["path"]) for r in reqs])
+    np.testing.assert_array_equal(res.num_accepted, depth)
+    row_off, _ = request_slices(args[2])
+    last_row = np.array([r["path"][-1] + 1 if r["path"] else 0 for r in reqs]) + row_off
+    want = sf.sample(
+        args[0][last_row], temperature=kw["temperature"], top_k=kw["top_k"], top_p=kw["top_p"],
+        min_p=kw["min_p"], seed=kw["seed"], position=kw["position"] + depth, method="rejection",
+    )
+    np.testing.assert_array_equal(np.asarray(res.tokens)[np.arange(B), depth], want)
+
+
+# ---------------------------------------------------------------------------------------
+# Coupled verification
+# ---------------------------------------------------------------------------------------
+
+
+def row_positions(num_draft, parents, position):
+    """Absolute position predicted by every logits row of a batch (row 0: position)."""
+    out = []
+    _, node_off = request_slices(num_draft)
+    for b, nd in enumerate(num_draft):
+        par = parents[node_off[b] : node_off[b] + nd] if parents is not None else chain_parents(nd)
+        out.append(position[b] + np.concatenate([[0], node_depths(par) + 1]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
+def test_coupled_equals_sample_walk(kind, rng):
+    """Coupled verify emits, at depth i, sample(row reached, seed, position + i, "coupled"),
+    accepting a child iff its token equals that sample (siblings in order)."""
+    V, B = 6, 2000
+    reqs = [random_request(rng, V, 7, tree=bool(i % 2)) for i in range(B)]
+    args, kw = pack(reqs, kind)
+    nd = args[2]
+    rep = np.repeat(np.arange(B), nd + 1)
+    row_tok = sf.sample(
+        args[0], temperature=kw["temperature"][rep], top_k=kw["top_k"][rep],
+        top_p=kw["top_p"][rep], min_p=kw["min_p"][rep], seed=kw["seed"][rep],
+        position=row_positions(nd, kw["parents"], kw["position"]), method="coupled",
+    )
+    # Redraw the drafts so that most match the target's coupled token of their parent row.
+    row_off, node_off = request_slices(nd)
+    drafts = args[1].copy()
+    for b in range(B):
+        for i in range(nd[b]):
+            par = kw["parents"][node_off[b] + i]
+            if rng.random() < 0.7:
+                drafts[node_off[b] + i] = row_tok[row_off[b] + par + 1]
+    res = call_verify((args[0], drafts, nd), kw, method="coupled")
+    check_structure(res, drafts, nd, kw["parents"], V)
+    tokens = np.asarray(res.tokens)
+    nodes = np.asarray(res.accepted_nodes)
+    for b in range(B):
+        par = kw["parents"][node_off[b] : node_off[b] + nd[b]]
+        emitted, path = simulate_coupled(
+            row_tok[row_off[b] : row_off[b] + nd[b] + 1], par, drafts[node_off[b] : node_off[b] + nd[b]]
+        )
+        a = len(path)
+        assert res.num_accepted[b] == a, f"request {b}: accepted {res.num_accepted[b]}, want {a}"
+        assert tokens[b, : a + 1].tolist() == emitted, f"request {b}"
+        assert nodes[b, :a].tolist() == path, f"request {b}"
+
+
+def test_coupled_ignores_draft_probs(rng):
+    V, B = 8, 500
+    reqs = [random_request(rng, V, 6, tree=True) for _ in range(B)]
+    outs = []
+    for kind in ["none", "dense", "sparse"]:
+        args, kw = pack(reqs, kind)
+        outs.append(call_verify(args, kw, method="coupled"))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.tokens, outs[0].tokens)
+        np.testing.assert_array_equal(o.accepted_nodes, outs[0].accepted_nodes)
+
+
+def target_text(lm, seeds, pos, length, method="coupled", **params):
+    """The text the target alone samples (coupled: the same noise as verify)."""
+    B = len(seeds)
+    y = np.zeros((B, length), np.int64)
+    row = np.broadcast_to(lm.root_logits, (B, lm.vocab))
+    for d in range(length):
+        y[:, d] = sf.sample(
+            np.ascontiguousarray(row), seed=seeds, position=pos + d, method=method, **params
+        )
+        row = lm.trans_logits[y[:, d]]
+    return y
+
+
+def expected_walk(y, parents, drafts_b):
+    """Accepted path when the target's text is y (coupled or greedy)."""
+    ch = children_of(parents, len(parents))
+    node, path = -1, []
+    for d in range(len(y)):
+        nxt = next((c for c in ch[node] if int(drafts_b[c]) == int(y[d])), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return path
+
+
+DRAFTERS = ["chain4-dense", "chain2-none", "tree-sparse", "perfect4", "none0", "chain6-dense"]
+
+
+@pytest.mark.parametrize("filters", ["no-filter", "filters"])
+def test_coupled_drafter_invariance(filters, rng):
+    """Whatever the drafter (kind, length, tree, perfect, none), coupled verification emits
+    a prefix of the one text the target alone samples with the same seed and positions."""
+    lm = ToyLM(10, seed=11)
+    B = 20_000
+    f, ref = toy_params(lm, TOY_FILTERS[filters], B, per_request=False)
+    seeds = rng.integers(0, 2**63, B).astype(np.uint64)
+    pos = rng.integers(0, 2**40, B)
+    y = target_text(lm, seeds, pos, 8, **f)
+    for drafter in DRAFTERS:
+        if drafter == "perfect4":
+            drafts = y[:, :4].astype(np.int32)
+            parents = chain_parents(4)
+            logits = np.concatenate(
+                [lm.root_logits[None].repeat(B, 0)[:, None], lm.trans_logits[drafts]], axis=1
+            ).reshape(-1, lm.vocab)
+            args = (logits, drafts.reshape(-1), np.full(B, 4, np.int32))
+            dp, par_arg = None, None
+        elif drafter == "none0":
+            args = (np.repeat(lm.root_logits[None], B, 0), np.zeros(0, np.int32), np.zeros(B, np.int32))
+            dp, par_arg, parents = None, None, np.zeros(0, np.int32)
+        else:
+            shape, kind = drafter.split("-")
+            parents = (
+                chain_parents(int(shape[5:])) if shape.startswith("chain")
+                else np.array(STRUCTURES["tree"], np.int32)
+            )
+            b = build_toy_batch(lm, B, parents, kind=kind, siblings="distinct", rng=rng)
+            args = (b["logits"], b["draft_tokens"], b["num_draft"])
+            dp, par_arg = draft_arg(b["draft_probs"]), b["parents"]
+        res = sf.verify(*args, draft_probs=dp, parents=par_arg, seed=seeds, position=pos,
+                        method="coupled", **f)
+        tokens, nacc = np.asarray(res.tokens), np.asarray(res.num_accepted)
+        n = len(parents)
+        dr = np.asarray(args[1]).reshape(B, n) if n else np.zeros((B, 0), np.int32)
+        for i in range(B):
+            a = int(nacc[i])
+            assert tokens[i, : a + 1].tolist() == y[i, : a + 1].tolist(), (
+                f"{drafter}, request {i}: emitted {tokens[i, :a + 1]}, target text {y[i]}"
+            )
+            if i < 2000:
+                want = expected_walk(y[i], parents, dr[i])
+                assert np.asarray(res.accepted_nodes)[i, :a].tolist() == want, f"{drafter} {i}"
+        if drafter == "perfect4":
+            assert np.all(nacc == 4)
+
+
+# ---------------------------------------------------------------------------------------
+# Greedy (temperature 0): both methods accept a draft iff it is the argmax
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
+@pytest.mark.parametrize("method", ["rejection", "coupled"])
+def test_greedy_is_exact_argmax_chain(method, kind, rng):
+    lm = ToyLM(12, seed=5)
+    B = 5000
+    b = build_toy_batch(lm, B, chain_parents(5), kind=kind, siblings="distinct", rng=rng)
+    # greedy text: argmax chain (ties: lower id)
+    g = np.zeros((B, 6), np.int64)
+    g[:, 0] = np.argmax(lm.root_logits)
+    for d in range(1, 6):
+        g[:, d] = np.argmax(lm.trans_logits[g[:, d - 1]], axis=1)
+    drafts = b["tokens"]
+    # make half the drafts the greedy token so that long acceptances happen
+    use = rng.random((B, 5)) < 0.6
+    drafts = np.where(use, g[:, :5], drafts).astype(np.int32)
+    logits = np.concatenate(
+        [np.repeat(lm.root_logits[None, None], B, 0), lm.trans_logits[drafts]], axis=1
+    ).reshape(-1, lm.vocab)
+    dp = b["draft_probs"]
+    if kind == "dense":  # the drafts changed: give q some mass on them
+        q = dp[1].astype(np.float64) + one_hot(drafts.reshape(-1), lm.vocab) * 0.3
+        dp = ("dense", (q / q.sum(1, keepdims=True)).astype(np.float32))
+    if kind == "sparse":
+        ids, vals = dp[1].copy(), dp[2].copy()
+        ids[:, 0] = drafts.reshape(-1)
+        ids[:, 1:] = np.where(ids[:, 1:] == ids[:, :1], -1, ids[:, 1:])
+        vals = np.where(ids >= 0, 1.0, 0.0)
+        vals = (vals / vals.sum(1, keepdims=True)).astype(np.float32)
+        dp = ("sparse", ids, vals)
+    res = sf.verify(
+        logits, drafts.reshape(-1), np.full(B, 5, np.int32), draft_probs=draft_arg(dp),
+        temperature=0.0, seed=np.arange(B, dtype=np.uint64), position=7, method=method,
+    )
+    match = drafts == g[:, :5]
+    want_a = np.where(match.all(1), 5, np.argmin(match, axis=1))
+    np.testing.assert_array_equal(res.num_accepted, want_a)
+    tokens = np.asarray(res.tokens)
+    for a in range(6):
+        m = want_a == a
+        np.testing.assert_array_equal(tokens[m, : a + 1], g[m, : a + 1])
+
+
+# ---------------------------------------------------------------------------------------
+# Layout, keys and invariance
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["rejection", "coupled"])
+@pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
+def test_explicit_chain_parents_equal_none(kind, method, rng):
+    reqs = [random_request(rng, 9, 6, tree=False) for _ in range(1000)]
+    args, kw = pack(reqs, kind, with_parents=True)
+    a = call_verify(args, kw, method=method)
+    b = call_verify(args, kw, method=method, parents=None)
+    for f in ("tokens", "num_accepted", "accepted_nodes"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+
+
+def per_request(res, nd):
+    t, a, n = np.asarray(res.tokens), np.asarray(res.num_accepted), np.asarray(res.accepted_nodes)
+    return [
+        (t[b, : nd[b] + 1].tolist(), int(a[b]), n[b, : nd[b]].tolist()) for b in range(len(nd))
+    ]
+
+
+@pytest.mark.parametrize("method", ["rejection", "coupled"])
+@pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
+def test_batch_invariance(kind, method, rng):
+    """A request's result does not depend on the other requests or their order."""
+    reqs = [random_request(rng, 13, 6, tree=bool(i % 3)) for i in range(400)]
+    args, kw = pack(reqs, kind)
+    full = per_request(call_verify(args, kw, method=method), args[2])
+    check_structure(call_verify(args, kw, method=method), args[1], args[2], kw["parents"], 13)
+    perm = rng.permutation(len(reqs))
+    args2, kw2 = pack([reqs[i] for i in perm], kind)
+    shuffled = per_request(call_verify(args2, kw2, method=method), args2[2])
+    for j, i in enumerate(perm):
+        assert shuffled[j] == full[i], f"request {i} changed when the batch was shuffled"
+    sub = [i for i in range(len(reqs)) if i % 7 == 3]
+    args3, kw3 = pack([reqs[i] for i in sub], kind)
+    part = per_request(call_verify(args3, kw3, method=method), args3[2])
+    for j, i in enumerate(sub):
+        assert part[j] == full[i], f"request {i} changed in a smaller batch"
+    for i in [0, 1, 2, 57, 399]:
+        args4, kw4 = pack([reqs[i]], kind)
+        one = per_request(call_verify(args4, kw4, method=method), args4[2])
+        assert one[0] == full[i], f"request {i} alone differs"
+
+
+@pytest.mark.parametrize("method", ["rejection", "coupled"])
+def test_reproducible_and_keyed_by_seed_and_position(method, rng):
+    reqs = [random_request(rng, 16, 5, tree=True) for _ in range(2000)]
+    for r in reqs:
+        r["temperature"] = 1.0
+    args, kw = pack(reqs, "dense")
+    a = per_request(call_verify(args, kw, method=method), args[2])
+    assert a == per_request(call_verify(args, kw, method=method), args[2])
+    b = per_request(call_verify(args, kw, method=method, seed=kw["seed"] + np.uint64(1)), args[2])
+    c = per_request(call_verify(args, kw, method=method, position=kw["position"] + 1), args[2])
+    assert sum(x != y for x, y in zip(a, b)) > 400
+    assert sum(x != y for x, y in zip(a, c)) > 400
+
+
+def test_scalar_parameters_broadcast(rng):
+    reqs = [random_request(rng, 11, 5, tree=True) for _ in range(300)]
+    args, kw = pack(reqs, "dense")
+    B = len(reqs)
+    scalar = dict(temperature=0.8, top_k=6, top_p=0.9, min_p=0.02, seed=99, position=1000)
+    arrays = dict(
+        temperature=np.full(B, 0.8, np.float32), top_k=np.full(B, 6, np.int32),
+        top_p=np.full(B, 0.9, np.float32), min_p=np.full(B, 0.02, np.float32),
+        seed=np.full(B, 99, np.uint64), position=np.full(B, 1000, np.int64),
+    )
+    for method in ["rejection", "coupled"]:
+        a = call_verify(args, kw, method=method, **scalar)
+        b = call_verify(args, kw, method=method, **arrays)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.accepted_nodes, b.accepted_nodes)
+
+
+def test_result_layout_with_zero_drafts(rng):
+    V = 7
+    logits = rng.standard_normal((3, V)).astype(np.float32)
+    res = sf.verify(logits, np.zeros(0, np.int32), np.zeros(3, np.int32), seed=1)
+    assert res.tokens.shape == (3, 1) and res.num_accepted.tolist() == [0, 0, 0]
+    assert np.asarray(res.accepted_nodes).shape == (3, 0)
+    assert res.tokens.dtype == np.int32
+    # mixed: request 1 has two drafts, the others none
+    logits = rng.standard_normal((5, V)).astype(np.float32)
+    res = sf.verify(logits, np.array([1, 2], np.int32), np.array([0, 2, 0], np.int32), seed=1)
+    check_structure(res, [1, 2], [0, 2, 0], None, V)
+    assert res.tokens.shape == (3, 3) and res.accepted_nodes.shape == (3, 2)
+    assert res.tokens[0, 1] == -1 and res.tokens[2, 1] == -1
+
+
+def test_default_method_is_rejection(rng):
+    reqs = [random_request(rng, 9, 4, tree=True) for _ in range(300)]
+    args, kw = pack(reqs, "dense")
+    a = call_verify(args, kw)
+    b = call_verify(args, kw, method="rejection")
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_lower_precision_logits_match_float32_of_same_values(dtype, rng):
+    """Logits in float16/bfloat16 give what float32 logits of the same values give
+    (the conversion is exact, and the random streams do not depend on the dtype)."""
+    reqs = [random_request(rng, 11, 5, tree=True) for _ in range(500)]
+    args, kw = pack(reqs, "dense")
+    low = to_dtype(args[0], dtype)
+    same = as_f64(low).astype(np.float32)
+    for method in ["rejection", "coupled"]:
+        a = call_verify((low,) + args[1:], kw, method=method)
+        b = call_verify((same,) + args[1:], kw, method=method)
+        agree = (np.asarray(a.tokens) == np.asarray(b.tokens)).all(axis=1).mean()
+        assert agree > 0.99, f"{method}: only {agree:.3f} of requests agree"
+
+
+def test_strided_logits_view(rng):
+    reqs = [random_request(rng, 9, 4, tree=True) for _ in range(200)]
+    args, kw = pack(reqs, "dense")
+    wide = np.zeros((args[0].shape[0], 20), np.float32)
+    wide[:, 5:14] = args[0]
+    a = call_verify((wide[:, 5:14],) + args[1:], kw)
+    b = call_verify(args, kw)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
