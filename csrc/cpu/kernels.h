@@ -42,7 +42,7 @@ typedef struct sf_weights_in {
 typedef struct sf_weights_out {
     uint64_t total;   /* sum of w */
     int64_t kept;     /* tokens with a kept logit (row source only) */
-    float q_sum;      /* sum of q, when q is read */
+    float q_sum;      /* sum of q, when q is read whole (else NaN) */
     int q_bad;        /* a q value negative, NaN or infinite */
 } sf_weights_out;
 

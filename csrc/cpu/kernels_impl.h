@@ -98,12 +98,17 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
                 if (cut) {
                     vi keep = above_cut(r, x, i);
                     kept -= keep;
-                    if (with_q || vany(keep)) {
-                        vf e = row_e(r, x);
-                        b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
-                    } else {
-                        b = vf_set(0.0f);
+                    if (!vany(keep)) {
+                        /* Nothing kept: weight 0 whatever q is, and q here
+                         * is never read (nor checked). */
+                        if (store) {
+                            if (i + SF_LANES <= n) vstore(resid + i, vf_set(0.0f));
+                            else for (int j = 0; i + j < n; j++) resid[i + j] = 0.0f;
+                        }
+                        continue;
                     }
+                    vf e = row_e(r, x);
+                    b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
                 } else {
                     kept -= x > -INFINITY;
                     b = row_e(r, x); /* -inf (and padding) give 0 */
@@ -140,7 +145,8 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     for (int j = 0; j < SF_LANES; j++) { k += kept[j]; qsum += qs[j]; }
     out->total = total;
     out->kept = from_row ? k : 0;
-    out->q_sum = qsum;
+    /* Under a cut only the chunks with kept tokens read q: no full sum. */
+    out->q_sum = cut && from_row ? NAN : qsum;
     out->q_bad = vany(qbad);
 }
 

@@ -158,20 +158,25 @@ _CTYPES = {
 }
 
 
-def _param(value, name, batch, keep):
-    """A pointer to one value or `batch` values of a sampling parameter."""
-    ctype, dtype = _CTYPES[name]
-    if isinstance(value, (int, float, np.generic)) and not isinstance(value, bool):
-        if dtype != np.float32 and not float(value).is_integer():
-            raise TypeError(f"{name} must be an integer, got {value!r}")
-        try:
-            c = ffi.new(f"{ctype}[1]", [value if dtype == np.float32 else int(value)])
-        except OverflowError:
-            raise ValueError(f"{name}={value!r} is out of range for {ctype}") from None
-        keep.append(c)
-        return c, 1
+def _scalar(value, name, integer):
+    """A Python number for a scalar parameter, or None when `value` is an array."""
     if isinstance(value, bool) or value is None:
         raise TypeError(f"{name} must be a number or an array, got {value!r}")
+    if isinstance(value, float) or (not integer and isinstance(value, int)):
+        if integer and not value.is_integer():
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        return int(value) if integer else value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, np.generic):
+        if value.dtype.kind not in "iuf":
+            raise TypeError(f"{name} must be numeric, got {value!r}")
+        return _scalar(value.item(), name, integer)
+    return None
+
+
+def _array_param(value, name, batch, keep):
+    ctype, dtype = _CTYPES[name]
     if _is_torch(value):
         value = _torch_to_numpy(value, name)
     a = np.asarray(value)
@@ -187,20 +192,54 @@ def _param(value, name, batch, keep):
         raise ValueError(f"{name} must be non-negative")
     if dtype == np.int32 and a.size and (a.min() < 0 or a.max() >= 1 << 31):
         raise ValueError(f"{name} must be in [0, 2^31)")
+    if dtype == np.int64 and a.dtype == np.uint64 and a.size and a.max() >= 1 << 63:
+        raise ValueError(f"{name} must be below 2^63")
     a = np.ascontiguousarray(a.reshape(-1), dtype=dtype)
     keep.append(a)
-    return ffi.cast(f"{ctype} *", a.ctypes.data), a.shape[0]
+    return _ptr(f"{ctype} *", a), a.shape[0]
+
+
+_FLOATS = ("temperature", "top_p", "min_p")
 
 
 def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
+    """An sf_params; scalars share two small buffers, arrays are passed as is."""
     p = ffi.new("sf_params *")
-    p.temperature, p.n_temperature = _param(temperature, "temperature", batch, keep)
-    p.top_k, p.n_top_k = _param(top_k, "top_k", batch, keep)
-    p.top_p, p.n_top_p = _param(top_p, "top_p", batch, keep)
-    p.min_p, p.n_min_p = _param(min_p, "min_p", batch, keep)
-    p.seed, p.n_seed = _param(seed, "seed", batch, keep)
-    p.position, p.n_position = _param(position, "position", batch, keep)
     keep.append(p)
+    values = {"temperature": temperature, "top_p": top_p, "min_p": min_p,
+              "top_k": top_k, "seed": seed, "position": position}
+    floats = ffi.new("float[3]")
+    ints = ffi.new("int64_t[3]")  # top_k (as int32), seed, position
+    keep += [floats, ints]
+    for i, name in enumerate(_FLOATS):
+        v = _scalar(values[name], name, False)
+        if v is None:
+            ptr, count = _array_param(values[name], name, batch, keep)
+        else:
+            floats[i] = v
+            ptr, count = floats + i, 1
+        setattr(p, name, ptr)
+        setattr(p, "n_" + name, count)
+    for name, lo, hi in (("top_k", 0, 1 << 31), ("seed", 0, 1 << 64),
+                         ("position", -(1 << 63), 1 << 63)):
+        v = _scalar(values[name], name, True)
+        if v is None:
+            ptr, count = _array_param(values[name], name, batch, keep)
+        else:
+            if not lo <= v < hi:
+                raise ValueError(f"{name}={v} is out of range [{lo}, {hi})")
+            if name == "top_k":
+                ptr = ffi.cast("int32_t *", ints)
+                ptr[0] = v
+            elif name == "seed":
+                ptr = ffi.cast("uint64_t *", ints + 1)
+                ptr[0] = v
+            else:
+                ptr = ints + 2
+                ptr[0] = v
+            count = 1
+        setattr(p, name, ptr)
+        setattr(p, "n_" + name, count)
     return p
 
 
@@ -211,16 +250,27 @@ def _method(method):
     return code
 
 
+_ARRAY_TYPES = {}
+
+
 def _ptr(ctype, a):
-    return ffi.cast(ctype, a.ctypes.data)
+    """A pointer to the data of contiguous array `a` (which it keeps alive)."""
+    t = _ARRAY_TYPES.get(ctype)
+    if t is None:
+        t = _ARRAY_TYPES[ctype] = ffi.typeof(ctype.replace("*", "[]"))
+    return ffi.from_buffer(t, a)
 
 
-def _c_logits(a, code, stride):
-    return ffi.new(
-        "sf_logits *",
-        {"data": ffi.cast("void *", a.ctypes.data), "dtype": code, "rows": a.shape[0],
-         "vocab": a.shape[1], "row_stride": stride},
-    )
+def _c_logits(a, code, stride, keep):
+    c = ffi.new("sf_logits *")
+    if a.flags.c_contiguous:
+        data = ffi.from_buffer(a)
+        keep.append(data)
+        c.data = data
+    else:  # strided rows
+        c.data = ffi.cast("void *", a.ctypes.data)
+    c.dtype, c.rows, c.vocab, c.row_stride = code, a.shape[0], a.shape[1], stride
+    return c
 
 
 _PARAM_RULES = (
@@ -315,10 +365,13 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
             raise ValueError(f"draft_probs must have shape ({n}, {vocab}), got {q.shape}")
         keep.append(q)
         d.kind, d.dense = 1, _ptr("float *", q)
-    if batch and (nd.min() < 0):
+    if batch <= 64:  # numpy reductions cost more than the list on small batches
+        counts = nd.tolist()
+        lowest, max_draft, total = min(counts, default=0), max(counts, default=0), sum(counts)
+    else:
+        lowest, max_draft, total = int(nd.min()), int(nd.max()), int(nd.sum(dtype=np.int64))
+    if lowest < 0:
         raise ValueError("num_draft must be >= 0")
-    max_draft = int(nd.max()) if batch else 0
-    total = int(nd.sum(dtype=np.int64)) if batch else 0
     if total != n:
         raise ValueError(f"sum(num_draft) = {total} but draft_tokens has {n} entries")
     if a.shape[0] != n + batch:
@@ -333,7 +386,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     out.tokens, out.num_accepted = _ptr("int32_t *", out_tokens), _ptr("int32_t *", out_acc)
     out.accepted_nodes, out.max_draft = _ptr("int32_t *", out_nodes), max_draft
     err = ffi.new("sf_error *")
-    status = lib().sf_verify(_c_logits(a, code, stride), d, params, m, out, err)
+    status = lib().sf_verify(_c_logits(a, code, stride, keep), d, params, m, out, err)
     if status:
         _raise(status, "specfast.verify", err.index,
                dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
@@ -374,7 +427,7 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
     params = _params(a.shape[0], temperature, top_k, top_p, min_p, seed, position, keep)
     out = np.empty(a.shape[0], np.int32)
     err = ffi.new("sf_error *")
-    status = lib().sf_sample(_c_logits(a, code, stride), params, m, _ptr("int32_t *", out), err)
+    status = lib().sf_sample(_c_logits(a, code, stride, keep), params, m, _ptr("int32_t *", out), err)
     if status:
         _raise(status, "specfast.sample", err.index,
                dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
@@ -411,7 +464,7 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     params = _params(a.shape[0], temperature, top_k, top_p, min_p, 0, 0, keep)
     out = np.empty(a.shape, np.float32)
     err = ffi.new("sf_error *")
-    status = lib().sf_probs(_c_logits(a, code, stride), params, _ptr("float *", out), err)
+    status = lib().sf_probs(_c_logits(a, code, stride, keep), params, _ptr("float *", out), err)
     if status:
         _raise(status, "specfast.probs", err.index,
                dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))

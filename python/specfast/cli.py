@@ -1,12 +1,29 @@
-"""The ``specfast`` command."""
+"""The ``specfast`` command: ``info``, ``bench``, ``demo``, ``generate``.
+
+Each subcommand lives in its own module and is imported only when it runs,
+so ``specfast info`` needs nothing beyond the core.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
+# name -> (module, help); each module has add_arguments(parser) and run(args).
+_COMMANDS = {
+    "info": ("specfast.cli", "version, SIMD level and threads"),
+    "bench": ("specfast._bench_cli", "microbenchmarks of verify against numpy.max and torch"),
+    "demo": ("specfast.demo", "speculative decoding of a real model, plain vs speculative"),
+    "generate": ("specfast.generate", "generate with any target/drafter pair"),
+}
 
-def _info(args) -> int:
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def run(args) -> int:
     import specfast
 
     print(f"specfast {specfast.__version__}")
@@ -16,11 +33,21 @@ def _info(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="specfast", description=__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="specfast", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="version, SIMD level and threads").set_defaults(run=_info)
+    chosen = argv[0] if argv and argv[0] in _COMMANDS else None
+    module = None
+    for name, (mod, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            try:
+                module = importlib.import_module(mod)
+            except ImportError as exc:
+                parser.error(f"`specfast {name}` is not available: {exc}")
+            module.add_arguments(p)
     args = parser.parse_args(argv)
-    return args.run(args)
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":
