@@ -89,7 +89,7 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     vi kept = vi_set(0), qbad = vi_set(0);
     vf qs = vf_set(0.0f);
     for (int64_t blk = 0; blk * SF_BLOCK < n; blk++) {
-        vi hi = vi_set(0), lo = vi_set(0);
+        vmass mass = vmass_zero();
         const int64_t end = (blk + 1) * SF_BLOCK < n ? (blk + 1) * SF_BLOCK : n;
         for (int64_t i = blk * SF_BLOCK; i < end; i += SF_LANES) {
             vf b;
@@ -123,20 +123,15 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
                 qbad |= ~(q >= 0.0f) | (q == INFINITY);
                 rr = vresid(b, scale, q);
             } else {
-                rr = vresid(b, scale, vf_set(0.0f));
+                rr = b; /* without q the scale is 1 and b >= 0 */
             }
-            vf s = rr * 1048576.0f;
-            vi h = __builtin_convertvector(s, vi);
-            hi += h;
-            lo += __builtin_convertvector((s - __builtin_convertvector(h, vf)) * 1048576.0f, vi);
+            vmass_add(&mass, rr);
             if (store) {
                 if (i + SF_LANES <= n) vstore(resid + i, rr);
                 else for (int j = 0; i + j < n; j++) resid[i + j] = rr[j];
             }
         }
-        int64_t hs = 0, ls = 0;
-        for (int j = 0; j < SF_LANES; j++) { hs += hi[j]; ls += lo[j]; }
-        uint64_t bs = ((uint64_t)hs << 20) + (uint64_t)ls;
+        uint64_t bs = vmass_total(mass);
         if (blocks) blocks[blk] = bs;
         total += bs;
     }

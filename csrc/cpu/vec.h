@@ -108,4 +108,42 @@ static inline vf vresid(vf b, float scale, vf q) {
     return vsel(x > 0.0f, x, vf_set(0.0f));
 }
 
+/* Exact sums of floor(r * 2^40), 0 <= r < 2048, over the lanes of many
+ * vectors. With AVX-512DQ a float converts straight to uint64; elsewhere r is
+ * split into two exact 20-bit halves that int32 lanes convert and add. Either
+ * way the total is the same integer. */
+#if defined(__AVX512DQ__)
+typedef float vf8 __attribute__((vector_size(32)));
+typedef uint64_t vq8 __attribute__((vector_size(64)));
+typedef struct { vq8 a, b; } vmass;
+static inline vmass vmass_zero(void) { return (vmass){{0}, {0}}; }
+static inline void vmass_add(vmass *m, vf r) {
+    vf s = r * 1099511627776.0f;
+    m->a += __builtin_convertvector(
+        __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7), vq8);
+    m->b += __builtin_convertvector(
+        __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15), vq8);
+}
+static inline uint64_t vmass_total(vmass m) {
+    vq8 t = m.a + m.b;
+    uint64_t r = 0;
+    for (int j = 0; j < 8; j++) r += t[j];
+    return r;
+}
+#else
+typedef struct { vi hi, lo; } vmass;
+static inline vmass vmass_zero(void) { return (vmass){{0}, {0}}; }
+static inline void vmass_add(vmass *m, vf r) {
+    vf s = r * 1048576.0f;
+    vi h = __builtin_convertvector(s, vi);
+    m->hi += h;
+    m->lo += __builtin_convertvector((s - __builtin_convertvector(h, vf)) * 1048576.0f, vi);
+}
+static inline uint64_t vmass_total(vmass m) {
+    int64_t hs = 0, ls = 0;
+    for (int j = 0; j < 16; j++) { hs += m.hi[j]; ls += m.lo[j]; }
+    return ((uint64_t)hs << 20) + (uint64_t)ls;
+}
+#endif
+
 #endif /* SF_CPU_VEC_H */
