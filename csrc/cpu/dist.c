@@ -62,7 +62,7 @@ static void mass_above(const sf_kernels *k, const sf_row *r, float t,
     sf_row at = *r;
     at.cut_logit = t;
     at.cut_id = INT32_MAX;
-    sf_weights_in in = {NULL, 1.0f, NULL};
+    sf_weights_in in = {NULL, 1.0f, NULL, 0, 0};
     sf_weights_out o;
     k->weights(&at, &in, NULL, NULL, &o);
     *mass = o.total;
@@ -158,9 +158,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     }
     r->min_e = p->min_p;
 
-    d->in.base = NULL;
-    d->in.scale = 1.0f;
-    d->in.q = NULL;
+    d->in = (sf_weights_in){NULL, 1.0f, NULL, 0, 0};
     d->n_over = 0;
     d->resid_next = 0;
     d->total = 0;
@@ -214,7 +212,7 @@ void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
 
 sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
                                int more) {
-    sf_weights_in in = {d->in.base, (float)(1099511627776.0 / (double)d->total), q};
+    sf_weights_in in = {d->in.base, (float)(1099511627776.0 / (double)d->total), q, 0, 0};
     float *out = more ? d->resid[d->resid_next] : NULL;
     sf_weights_out o;
     k->weights(&d->row, &in, d->blocks, out, &o);
@@ -226,9 +224,7 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
     }
     d->total = o.total;
     if (more) {
-        d->in.base = out;
-        d->in.scale = 1.0f;
-        d->in.q = NULL;
+        d->in = (sf_weights_in){out, 1.0f, NULL, 0, 0};
         d->resid_next ^= 1;
     } else {
         d->in = in;
@@ -236,17 +232,28 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
     return SF_OK;
 }
 
-int32_t sf_dist_draw(const sf_dist *d, uint64_t seed, int64_t position) {
+int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,
+                     int64_t position) {
     uint64_t target = sf_draw_target(
         sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d->total);
     const int64_t nb = (d->row.vocab + SF_BLOCK - 1) / SF_BLOCK;
     uint64_t cum = 0;
     int64_t b = 0;
     while (b < nb - 1 && cum + d->blocks[b] <= target) cum += d->blocks[b++];
-    int64_t end = (b + 1) * SF_BLOCK < d->row.vocab ? (b + 1) * SF_BLOCK : d->row.vocab;
+    /* The block's weights, by the same vector pass that summed them. */
+    float r[SF_BLOCK];
+    sf_weights_in in = d->in;
+    in.first_block = b;
+    in.n_blocks = 1;
+    sf_weights_out o;
+    k->weights(&d->row, &in, NULL, r, &o);
+    const int64_t start = b * SF_BLOCK;
+    const int64_t end = start + SF_BLOCK < d->row.vocab ? start + SF_BLOCK : d->row.vocab;
     int64_t last = -1;
-    for (int64_t v = b * SF_BLOCK; v < end; v++) {
-        uint64_t w = weight(d, v);
+    for (int64_t v = start; v < end; v++) {
+        uint64_t w = sf_fixed(r[v - start]);
+        for (int64_t i = d->n_over - 1; i >= 0; i--)
+            if (d->over_id[i] == v) { w = d->over_w[i]; break; }
         if (!w) continue;
         cum += w;
         last = v;

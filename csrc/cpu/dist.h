@@ -52,6 +52,7 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
                                int more);
 
 /* Inverse-CDF draw of one token with Philox at (seed, position, DRAW). */
-int32_t sf_dist_draw(const sf_dist *d, uint64_t seed, int64_t position);
+int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,
+                     int64_t position);
 
 #endif /* SF_CPU_DIST_H */

@@ -37,6 +37,9 @@ typedef struct sf_weights_in {
     const float *base;
     float scale;
     const float *q; /* dense draft probabilities of the row, or NULL */
+    /* Blocks [first_block, first_block + n_blocks) only; n_blocks 0 is all.
+     * blocks[] and resid[] are then indexed from the first one. */
+    int64_t first_block, n_blocks;
 } sf_weights_in;
 
 typedef struct sf_weights_out {

