@@ -19,7 +19,8 @@ CC = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler to preprocess the header")
 
 STDINT = "typedef int int32_t; typedef long long int64_t; typedef unsigned int uint32_t; " \
-         "typedef unsigned long long uint64_t; typedef unsigned short uint16_t;\n"
+         "typedef unsigned long long uint64_t; typedef unsigned short uint16_t; " \
+         "typedef unsigned char uint8_t;\n"
 
 
 def _declarations(source):
@@ -53,7 +54,7 @@ def test_cdef_declares_what_the_header_declares():
 
 
 def test_struct_layout_matches_the_compiled_header(tmp_path):
-    structs = ["sf_logits", "sf_params", "sf_draft", "sf_verify_out", "sf_error"]
+    structs = ["sf_logits", "sf_params", "sf_draft", "sf_verify_out", "sf_error", "sf_kv_cache"]
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "specfast.h"', "int main(void) {"]
     expect = []
     for s in structs:

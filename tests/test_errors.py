@@ -201,12 +201,17 @@ def test_unknown_method(fn):
         raises(lambda: sf.sample(base_rows(), method="greedy"), "method")
 
 
+LENGTH_CASES = [
+    (fn, name)
+    for fn in ["verify", "sample", "probs"]
+    for name in ["temperature", "top_k", "top_p", "min_p", "seed", "position"]
+    if not (fn == "probs" and name in ("seed", "position"))  # probs takes neither
+]
+
+
 @pytest.mark.parametrize("length", [2, 4], ids=lambda n: f"len={n}")
-@pytest.mark.parametrize("name", ["temperature", "top_k", "top_p", "min_p", "seed", "position"])
-@pytest.mark.parametrize("fn", ["verify", "sample", "probs"])
+@pytest.mark.parametrize("fn, name", LENGTH_CASES, ids=["-".join(c) for c in LENGTH_CASES])
 def test_parameter_array_of_wrong_length(fn, name, length):
-    if fn == "probs" and name in ("seed", "position"):
-        pytest.skip("probs takes no seed or position")
     value = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 1,
              "position": 0}[name]
     # verify has 3 requests, sample / probs have 4 rows; 2 and 4 / 2 and 5 are wrong
@@ -273,9 +278,42 @@ BAD_DENSE = {"negative": _neg, "nan": _nan, "inf": _inf, "sum=0.9": _sum, "sum=1
 
 @pytest.mark.parametrize("case", list(BAD_DENSE))
 def test_malformed_dense_draft_probs(case):
+    """The bad row belongs to node 0 of a request whose draft has target probability 0:
+    the draft is rejected for sure and the residual max(0, p - q) reads the whole row."""
     kw = base_verify()
-    BAD_DENSE[case](kw["draft_probs"])  # node 0 of request 0 or of request 2: always read
+    kw["target_logits"][0, 1] = -np.inf  # request 0, node 0 drafts token 1
+    kw["target_logits"][4, 3] = -np.inf  # request 2, node 0 drafts token 3
+    BAD_DENSE[case](kw["draft_probs"])
     raises(lambda: sf.verify(**kw), r"draft|prob|sum|negative|nan|finite")
+
+
+BAD_AT_TOKEN = {"negative": -0.1, "nan": np.nan, "inf": np.inf, "above-one": 1.5}
+
+
+@pytest.mark.parametrize("case", list(BAD_AT_TOKEN))
+def test_malformed_draft_prob_of_the_drafted_token(case):
+    """q(x) of node 0's own token is read by every outcome: always detected."""
+    for seed in range(8):
+        kw = base_verify()
+        kw["draft_probs"][0, 1] = BAD_AT_TOKEN[case]  # request 0, node 0 drafts token 1
+        raises(lambda: sf.verify(**kw, seed=seed), r"draft|prob|sum|negative|nan|finite")
+
+
+@pytest.mark.parametrize("case", list(BAD_DENSE))
+def test_malformed_node0_draft_probs_detected_whatever_the_outcome(case):
+    """The brief: malformed draft probabilities are detected for rows the kernel reads,
+    "e.g. node 0 of a request". Node 0 is tried by every outcome, so the error must not
+    depend on whether its draft happens to be accepted (on the seed)."""
+    outcomes = []
+    for seed in range(8):
+        kw = base_verify()
+        BAD_DENSE[case](kw["draft_probs"])
+        try:
+            sf.verify(**kw, seed=seed)
+            outcomes.append("no error")
+        except ERRORS:
+            outcomes.append("error")
+    assert outcomes == ["error"] * 8, f"seeds 0..7: {outcomes}"
 
 
 @pytest.mark.parametrize("shape", [(3, V + 1), (3, V - 1), (2, V), (4, V), (3 * V,)],

@@ -163,6 +163,44 @@ SF_API sf_status sf_sample(const sf_logits *logits, const sf_params *params,
 SF_API sf_status sf_probs(const sf_logits *logits, const sf_params *params,
                           float *out, sf_error *err);
 
+/* Tree attention for a ragged batch of draft trees (the layout of sf_draft:
+ * request b has num_draft[b] nodes with local `parents`, -1 for a child of the
+ * root). A request's tree has num_draft[b] + 1 tokens: the root (the token of
+ * its row 0) at index 0 and node i at index 1 + i. With width = max_draft + 1:
+ *   mask       (batch, width, width) uint8, or NULL: mask[b][i][j] is 1 when
+ *              token j is token i or one of its ancestors, else 0;
+ *   bits       (batch, width, words) uint32 with words = (width + 31) / 32, or
+ *              NULL: the same, bit j % 32 of word j / 32;
+ *   positions  (batch, width) int32, or NULL: each token's depth (root 0),
+ *              -1 past the request's tokens.
+ * parents NULL means chains. Returns SF_ERR_PARENT for a bad parent. */
+SF_API sf_status sf_tree_mask(const int32_t *parents, const int32_t *num_draft,
+                              int64_t batch, int64_t max_draft, uint8_t *mask,
+                              uint32_t *bits, int32_t *positions, sf_error *err);
+
+/* A KV cache seen as rows of row_bytes contiguous bytes, addressed by
+ * data + o * outer_stride + b * batch_stride + i * inner_stride
+ *        + s * seq_stride (strides in bytes): o < n_outer (e.g. layers and
+ * K/V), b < batch, i < n_inner (e.g. heads), s < seq_len. */
+typedef struct sf_kv_cache {
+    void *data;
+    int64_t n_outer, outer_stride;
+    int64_t batch, batch_stride;
+    int64_t n_inner, inner_stride;
+    int64_t seq_len, seq_stride;
+    int64_t row_bytes;
+} sf_kv_cache;
+
+/* After tree verification, moves each request's accepted path to where a
+ * chain would hold it: slot root_slot[b] + 1 + nodes[b][k] goes to
+ * root_slot[b] + 1 + k for k < num_accepted[b], in place. nodes (batch,
+ * max_draft) int32 is sf_verify's accepted_nodes; root_slot (batch,) int64 is
+ * the slot of each tree's root token. Nodes must increase along the path and
+ * stay inside the cache (else SF_ERR_SHAPE). */
+SF_API sf_status sf_kv_compact(const sf_kv_cache *cache, const int32_t *nodes,
+                               const int32_t *num_accepted, int64_t max_draft,
+                               const int64_t *root_slot, sf_error *err);
+
 /* Threads used by the calls: n >= 1, or 0 for one per core. */
 SF_API sf_status sf_set_num_threads(int n);
 SF_API int sf_get_num_threads(void);

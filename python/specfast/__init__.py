@@ -16,6 +16,7 @@ from ._api import (
     verify,
 )
 from ._lib import lib as _lib
+from ._tree import kv_compact, kv_keep_slots, tree_mask
 
 __version__ = "0.1.0"
 
@@ -25,9 +26,12 @@ __all__ = [
     "SparseProbs",
     "VerifyResult",
     "get_num_threads",
+    "kv_compact",
+    "kv_keep_slots",
     "probs",
     "sample",
     "set_num_threads",
     "simd_level",
+    "tree_mask",
     "verify",
 ]

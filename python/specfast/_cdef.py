@@ -81,6 +81,22 @@ sf_status sf_sample(const sf_logits *logits, const sf_params *params,
                     sf_method method, int32_t *tokens, sf_error *err);
 sf_status sf_probs(const sf_logits *logits, const sf_params *params,
                    float *out, sf_error *err);
+sf_status sf_tree_mask(const int32_t *parents, const int32_t *num_draft,
+                       int64_t batch, int64_t max_draft, uint8_t *mask,
+                       uint32_t *bits, int32_t *positions, sf_error *err);
+
+typedef struct sf_kv_cache {
+    void *data;
+    int64_t n_outer, outer_stride;
+    int64_t batch, batch_stride;
+    int64_t n_inner, inner_stride;
+    int64_t seq_len, seq_stride;
+    int64_t row_bytes;
+} sf_kv_cache;
+
+sf_status sf_kv_compact(const sf_kv_cache *cache, const int32_t *nodes,
+                        const int32_t *num_accepted, int64_t max_draft,
+                        const int64_t *root_slot, sf_error *err);
 sf_status sf_set_num_threads(int n);
 int sf_get_num_threads(void);
 const char *sf_simd_level(void);

@@ -1,0 +1,91 @@
+/* tree.c: what a server needs around a draft tree: its attention mask and
+ * positions, and compacting the KV cache onto the accepted path. */
+#include <string.h>
+
+#include "specfast.h"
+
+SF_API sf_status sf_tree_mask(const int32_t *parents, const int32_t *num_draft,
+                              int64_t batch, int64_t max_draft, uint8_t *mask,
+                              uint32_t *bits, int32_t *positions, sf_error *err) {
+    if (err) err->index = -1;
+    if (!num_draft || batch < 0 || max_draft < 0 || max_draft > SF_MAX_DRAFT)
+        return SF_ERR_ARGUMENT;
+    const int64_t width = max_draft + 1, words = (width + 31) / 32;
+    int64_t node0 = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int32_t n = num_draft[b];
+        if (n < 0 || n > max_draft) {
+            if (err) err->index = b;
+            return SF_ERR_SHAPE;
+        }
+        for (int32_t i = 0; i < n; i++) {
+            int32_t p = parents ? parents[node0 + i] : i - 1;
+            if (p < -1 || p >= i) {
+                if (err) err->index = b;
+                return SF_ERR_PARENT;
+            }
+        }
+        uint8_t *m = mask ? mask + b * width * width : NULL;
+        uint32_t *w = bits ? bits + b * width * words : NULL;
+        int32_t *pos = positions ? positions + b * width : NULL;
+        if (m) memset(m, 0, (size_t)(width * width));
+        if (w) memset(w, 0, (size_t)(width * words) * 4);
+        for (int64_t t = 0; t <= n; t++) {
+            /* Token t's ancestors are its parent's plus itself: parents come
+             * first, so their rows are complete. */
+            int64_t parent = t == 0 ? -1 : (parents ? parents[node0 + t - 1] : t - 2) + 1;
+            if (m) {
+                if (parent >= 0) memcpy(m + t * width, m + parent * width, (size_t)width);
+                m[t * width + t] = 1;
+            }
+            if (w) {
+                if (parent >= 0) memcpy(w + t * words, w + parent * words, (size_t)words * 4);
+                w[t * words + t / 32] |= 1u << (t % 32);
+            }
+            if (pos) pos[t] = parent < 0 ? 0 : pos[parent] + 1;
+        }
+        if (pos)
+            for (int64_t t = n + 1; t < width; t++) pos[t] = -1;
+        node0 += n;
+    }
+    return SF_OK;
+}
+
+SF_API sf_status sf_kv_compact(const sf_kv_cache *c, const int32_t *nodes,
+                               const int32_t *num_accepted, int64_t max_draft,
+                               const int64_t *root_slot, sf_error *err) {
+    if (err) err->index = -1;
+    if (!c || !c->data || !num_accepted || !root_slot || max_draft < 0 ||
+        (max_draft > 0 && !nodes) || c->n_outer < 0 || c->batch < 0 ||
+        c->n_inner < 0 || c->seq_len < 0 || c->row_bytes < 0)
+        return SF_ERR_ARGUMENT;
+    /* Check every request before moving anything. */
+    for (int64_t b = 0; b < c->batch; b++) {
+        const int32_t n = num_accepted[b];
+        const int32_t *path = nodes + b * max_draft;
+        int bad = n < 0 || n > max_draft || root_slot[b] < 0;
+        for (int32_t k = 0; k < n && !bad; k++)
+            bad = path[k] < k || (k > 0 && path[k] <= path[k - 1]) ||
+                  root_slot[b] + 1 + path[k] >= c->seq_len;
+        if (bad) {
+            if (err) err->index = b;
+            return SF_ERR_SHAPE;
+        }
+    }
+    char *base = c->data;
+    for (int64_t b = 0; b < c->batch; b++) {
+        const int32_t *path = nodes + b * max_draft;
+        for (int32_t k = 0; k < num_accepted[b]; k++) {
+            if (path[k] == k) continue; /* already in place */
+            const int64_t src = root_slot[b] + 1 + path[k], dst = root_slot[b] + 1 + k;
+            for (int64_t o = 0; o < c->n_outer; o++)
+                for (int64_t i = 0; i < c->n_inner; i++) {
+                    char *row = base + o * c->outer_stride + b * c->batch_stride +
+                                i * c->inner_stride;
+                    memmove(row + dst * c->seq_stride, row + src * c->seq_stride,
+                            (size_t)c->row_bytes);
+                }
+        }
+    }
+    return SF_OK;
+}

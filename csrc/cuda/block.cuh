@@ -1,0 +1,228 @@
+/*
+ * block.cuh: what the CUDA kernels build on: loading logits of any dtype,
+ * the per-token arithmetic of the CPU backend (csrc/cpu/rowmath.h, written
+ * again with the _rn intrinsics of shared.h so nvcc can fuse nothing), and
+ * block-wide reductions and scans.
+ *
+ * A block of SF_CU_THREADS threads walks a row in tiles of SF_CU_TILE tokens;
+ * thread t holds the 8 consecutive tokens [t * 8, t * 8 + 8) of a tile, read
+ * with 16-byte loads when the row is aligned. Two neighbouring threads hold
+ * one 16-token chunk of the CPU's vector code, which matters where the CPU
+ * skips a chunk (a dense q is read only in chunks with a kept token).
+ */
+#ifndef SF_CUDA_BLOCK_CUH
+#define SF_CUDA_BLOCK_CUH
+
+#include <stdint.h>
+
+#include "../common/shared.h"
+#include "specfast.h"
+
+#define SF_CU_THREADS 512
+#define SF_CU_WARPS (SF_CU_THREADS / 32)
+#define SF_CU_PER 8 /* tokens per thread per tile */
+#define SF_CU_TILE (SF_CU_THREADS * SF_CU_PER)
+#define SF_FULL_MASK 0xFFFFFFFFu
+
+/* ---- loads ---- */
+
+template <int DT>
+__device__ __forceinline__ float sf_cu_load1(const void *row, int64_t v) {
+    if (DT == SF_F32) return __ldg((const float *)row + v);
+    uint16_t h = __ldg((const unsigned short *)row + v);
+    return DT == SF_BF16 ? sf_bf16_to_f32(h) : sf_f16_to_f32(h);
+}
+
+__device__ __forceinline__ void sf_cu_unpack16(int DT, uint32_t w, float *x) {
+    uint16_t a = (uint16_t)w, b = (uint16_t)(w >> 16);
+    x[0] = DT == SF_BF16 ? sf_bf16_to_f32(a) : sf_f16_to_f32(a);
+    x[1] = DT == SF_BF16 ? sf_bf16_to_f32(b) : sf_f16_to_f32(b);
+}
+
+/* Tokens [i0, i0 + 8) of a row as float; past n, -inf. */
+template <int DT>
+__device__ __forceinline__ void sf_cu_load8(const void *row, int64_t i0, int64_t n,
+                                            bool aligned, float *x) {
+    if (aligned && i0 + 8 <= n) {
+        if (DT == SF_F32) {
+            const float4 *p = (const float4 *)((const float *)row + i0);
+            float4 a = __ldg(p), b = __ldg(p + 1);
+            x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+            x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+        } else {
+            uint4 u = __ldg((const uint4 *)((const uint16_t *)row + i0));
+            sf_cu_unpack16(DT, u.x, x);
+            sf_cu_unpack16(DT, u.y, x + 2);
+            sf_cu_unpack16(DT, u.z, x + 4);
+            sf_cu_unpack16(DT, u.w, x + 6);
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = i0 + j < n ? sf_cu_load1<DT>(row, i0 + j) : -INFINITY;
+}
+
+/* 8 floats from p + i0 (a dense q or a stored residual); past n, 0. */
+__device__ __forceinline__ void sf_cu_floats8(const float *p, int64_t i0, int64_t n,
+                                              bool aligned, float *x) {
+    if (aligned && i0 + 8 <= n) {
+        float4 a = __ldg((const float4 *)(p + i0)), b = __ldg((const float4 *)(p + i0) + 1);
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+        x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) x[j] = i0 + j < n ? p[i0 + j] : 0.0f;
+}
+
+__device__ __forceinline__ bool sf_cu_aligned(const void *p) {
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+/* ---- per-token arithmetic (csrc/cpu/rowmath.h) ---- */
+
+/* What the kernels know of a row once its filters are found (sf_row). */
+struct sf_cu_row {
+    float max, inv_t, c, cut_logit, min_e;
+    int32_t cut_id;
+};
+
+/* At or above the cut, and not -inf (the CPU's vector above_cut). */
+__device__ __forceinline__ bool sf_cu_above_cut(const sf_cu_row &r, float l, int64_t v) {
+    return ((l > r.cut_logit) || (l == r.cut_logit && v <= r.cut_id)) && l > -INFINITY;
+}
+
+__device__ __forceinline__ float sf_cu_row_e(const sf_cu_row &r, float l) {
+    return sf_exp2(SF_FMUL(SF_FSUB(l, r.max), r.c));
+}
+
+__device__ __forceinline__ float sf_cu_row_base(const sf_cu_row &r, float l, int64_t v) {
+    float e = sf_cu_row_e(r, l);
+    return (sf_cu_above_cut(r, l, v) && e >= r.min_e) ? e : 0.0f;
+}
+
+__device__ __forceinline__ float sf_cu_resid(float b, float scale, float q) {
+    float x = SF_FSUB(SF_FMUL(b, scale), q);
+    return x > 0.0f ? x : 0.0f;
+}
+
+/* floor(r * 2^40) for 0 <= r < 2048, exactly as rowmath.h's sf_fixed. */
+__device__ __forceinline__ uint64_t sf_cu_fixed(float r) {
+    float s = SF_FMUL(r, 1048576.0f);
+    int32_t hi = (int32_t)s;
+    int32_t lo = (int32_t)SF_FMUL(SF_FSUB(s, (float)hi), 1048576.0f);
+    return ((uint64_t)hi << 20) + (uint64_t)lo;
+}
+
+/* Rank key of a finite logit and its id: ascending keys are (logit
+ * descending, id ascending); -0 counts as +0 (dist.c's rank_key). */
+__device__ __forceinline__ uint64_t sf_cu_rank_key(float l, int64_t id) {
+    uint32_t u = l == 0.0f ? 0u : sf_f2u(l);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((uint64_t)~u << 32) | (uint32_t)id;
+}
+__device__ __forceinline__ float sf_cu_key_logit(uint64_t key) {
+    uint32_t u = ~(uint32_t)(key >> 32);
+    return sf_u2f((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
+}
+
+/* ---- block reductions (every thread gets the result) ---- */
+
+__device__ __forceinline__ uint64_t sf_cu_warp_sum(uint64_t v) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(SF_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ uint64_t sf_cu_block_sum(uint64_t v) {
+    __shared__ uint64_t buf[SF_CU_WARPS];
+    v = sf_cu_warp_sum(v);
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    uint64_t r = 0;
+#pragma unroll
+    for (int w = 0; w < SF_CU_WARPS; w++) r += buf[w];
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ float sf_cu_block_fsum(float v) {
+    __shared__ float buf[SF_CU_WARPS];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(SF_FULL_MASK, v, o));
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float r = 0.0f;
+#pragma unroll
+    for (int w = 0; w < SF_CU_WARPS; w++) r = __fadd_rn(r, buf[w]);
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ int sf_cu_block_or(int v) {
+    return __syncthreads_or(v);
+}
+
+__device__ __forceinline__ uint64_t sf_cu_block_min64(uint64_t v) {
+    __shared__ uint64_t buf[SF_CU_WARPS];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        uint64_t w = __shfl_xor_sync(SF_FULL_MASK, v, o);
+        v = w < v ? w : v;
+    }
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    uint64_t r = buf[0];
+#pragma unroll
+    for (int w = 1; w < SF_CU_WARPS; w++) r = buf[w] < r ? buf[w] : r;
+    __syncthreads();
+    return r;
+}
+
+/* (value, id) with the larger value, the lower id on ties; id < 0 is empty. */
+struct sf_cu_best { float key; int32_t id; };
+
+__device__ __forceinline__ sf_cu_best sf_cu_better(sf_cu_best a, sf_cu_best b) {
+    if (a.id < 0) return b;
+    if (b.id < 0) return a;
+    if (b.key > a.key || (b.key == a.key && b.id < a.id)) return b;
+    return a;
+}
+
+__device__ __forceinline__ sf_cu_best sf_cu_block_best(sf_cu_best v) {
+    __shared__ sf_cu_best buf[SF_CU_WARPS];
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        sf_cu_best w;
+        w.key = __shfl_xor_sync(SF_FULL_MASK, v.key, o);
+        w.id = __shfl_xor_sync(SF_FULL_MASK, v.id, o);
+        v = sf_cu_better(v, w);
+    }
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    sf_cu_best r = buf[0];
+#pragma unroll
+    for (int w = 1; w < SF_CU_WARPS; w++) r = sf_cu_better(r, buf[w]);
+    __syncthreads();
+    return r;
+}
+
+/* Exclusive prefix sum of v over the threads of the block, in thread order. */
+__device__ __forceinline__ uint64_t sf_cu_block_exscan(uint64_t v) {
+    __shared__ uint64_t buf[SF_CU_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint64_t inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        uint64_t w = __shfl_up_sync(SF_FULL_MASK, inc, o);
+        if (lane >= o) inc += w;
+    }
+    if (lane == 31) buf[warp] = inc;
+    __syncthreads();
+    uint64_t before = 0;
+    for (int w = 0; w < warp; w++) before += buf[w];
+    __syncthreads();
+    return before + inc - v;
+}
+
+#endif /* SF_CUDA_BLOCK_CUH */

@@ -1,0 +1,189 @@
+"""Token trees around verification: attention masks, positions, KV compaction."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._api import _int_array, _is_torch, _ptr, _torch
+from ._lib import check, ffi, lib
+
+
+def tree_mask(parents, num_draft=None, *, packed=False):
+    """Attention mask and positions of draft trees.
+
+    Parameters
+    ----------
+    parents : int array ``(N,)`` or None
+        Per draft node, the local index of its parent (-1: a child of the
+        root), as for :func:`specfast.verify`. None: chains.
+    num_draft : int array ``(B,)`` or None
+        Nodes per request. None: one request of ``len(parents)`` nodes.
+    packed : bool
+        Return the mask bit-packed: ``uint32`` words, bit ``j % 32`` of word
+        ``j // 32`` for token j.
+
+    Returns
+    -------
+    mask : ``(B, W, W)`` bool, or ``(B, W, ceil(W / 32))`` uint32 when packed,
+        with ``W = max(num_draft) + 1``; token 0 is the root (the token of the
+        request's first logits row), token ``1 + i`` is node i; ``mask[b, i, j]``
+        says whether token i attends to token j (itself or an ancestor).
+        Without ``num_draft`` the batch axis is dropped.
+    positions : ``(B, W)`` int32 depth of each token (root 0; add the root's
+        absolute position), -1 past a request's tokens.
+
+    Examples
+    --------
+    >>> mask, pos = specfast.tree_mask(np.array([-1, -1, 0]))
+    >>> pos
+    array([0, 1, 1, 2], dtype=int32)
+    """
+    single = num_draft is None
+    par = None if parents is None else _int_array(parents, "parents", 1)
+    if single:
+        if par is None:
+            raise ValueError("tree_mask: give parents, num_draft or both")
+        nd = np.array([par.shape[0]], np.int32)
+    else:
+        nd = _int_array(num_draft, "num_draft", 1)
+    counts = nd.tolist()
+    if min(counts, default=0) < 0:
+        raise ValueError("num_draft must be >= 0")
+    if par is not None and sum(counts) != par.shape[0]:
+        raise ValueError(f"sum(num_draft) = {sum(counts)} but parents has {par.shape[0]} entries")
+    batch, width = len(counts), max(counts, default=0) + 1
+    words = (width + 31) // 32
+    mask = np.empty((batch, width, words), np.uint32) if packed else \
+        np.empty((batch, width, width), np.uint8)
+    positions = np.empty((batch, width), np.int32)
+    err = ffi.new("sf_error *")
+    status = lib().sf_tree_mask(
+        ffi.NULL if par is None else _ptr("int32_t *", par), _ptr("int32_t *", nd),
+        batch, width - 1,
+        ffi.NULL if packed else _ptr("uint8_t *", mask),
+        _ptr("uint32_t *", mask) if packed else ffi.NULL,
+        _ptr("int32_t *", positions), err)
+    check(status, "specfast.tree_mask", err.index)
+    if not packed:
+        mask = mask.view(np.bool_)
+    if single:
+        return mask[0], positions[0]
+    return mask, positions
+
+
+def _merge(shape, strides, axes, name):
+    """One (count, stride) for consecutive axes that address memory as one."""
+    count, stride = 1, 0
+    for ax in reversed(axes):
+        if shape[ax] == 1:
+            continue
+        if count > 1 and strides[ax] != stride * count:
+            raise ValueError(f"kv_compact: the {name} axes of the cache cannot be merged")
+        if count == 1:
+            stride = strides[ax]
+        count *= shape[ax]
+    return count, stride
+
+
+def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, seq_axis=-2):
+    """Moves each request's accepted tree path to where a chain would hold it.
+
+    After :func:`specfast.verify` on trees, the KV entries of the accepted
+    nodes sit at ``root_slot[b] + 1 + node``; this moves entry
+    ``accepted_nodes[b, k]`` to slot ``root_slot[b] + 1 + k`` in place, for
+    ``k < num_accepted[b]``, so that the cache can be cropped as after a chain.
+
+    Parameters
+    ----------
+    cache : numpy array or torch CPU tensor, float32/float16/bfloat16 (any dtype)
+        Any layout with a batch axis before a sequence axis, whose axes after
+        the sequence axis are contiguous, e.g. ``(batch, heads, seq, head_dim)``
+        or ``(layers, 2, batch, heads, seq, head_dim)``. Modified in place.
+    accepted_nodes : int array ``(B, max_draft)``, ``num_accepted`` ``(B,)``
+        As :func:`specfast.verify` returns them.
+    root_slot : int array ``(B,)`` or int
+        The cache slot of each tree's root token.
+    batch_axis, seq_axis : int
+        Which axes of `cache` are the batch and the sequence.
+
+    Returns
+    -------
+    The cache (the same object).
+    """
+    nodes = _int_array(accepted_nodes, "accepted_nodes", 2)
+    acc = _int_array(num_accepted, "num_accepted", 1)
+    batch = acc.shape[0]
+    if nodes.shape[0] != batch:
+        raise ValueError("accepted_nodes and num_accepted disagree on the batch size")
+    roots = np.broadcast_to(np.asarray(root_slot, np.int64), (batch,)).copy()
+    if _is_torch(cache):
+        if cache.device.type != "cpu":
+            return _kv_compact_torch(cache, nodes, acc, roots, batch_axis, seq_axis)
+        if cache.dtype == _torch().bfloat16:
+            arr = cache.view(_torch().int16).numpy()
+        else:
+            arr = cache.numpy()
+    else:
+        arr = cache
+    if not isinstance(arr, np.ndarray):
+        raise TypeError("kv_compact: cache must be a numpy array or a torch tensor")
+    nd = arr.ndim
+    ba, sa = batch_axis % nd, seq_axis % nd
+    if not ba < sa:
+        raise ValueError("kv_compact: the batch axis must come before the sequence axis")
+    if arr.shape[ba] != batch:
+        raise ValueError(f"kv_compact: cache batch {arr.shape[ba]} != {batch} requests")
+    tail = list(range(sa + 1, nd))
+    row_count, row_stride = _merge(arr.shape, arr.strides, tail, "trailing")
+    if row_count > 1 and row_stride != arr.itemsize:
+        raise ValueError("kv_compact: the axes after the sequence axis must be contiguous")
+    if not arr.flags.writeable:
+        raise ValueError("kv_compact: the cache is read-only")
+    n_outer, outer_stride = _merge(arr.shape, arr.strides, list(range(ba)), "leading")
+    n_inner, inner_stride = _merge(arr.shape, arr.strides, list(range(ba + 1, sa)), "middle")
+    c = ffi.new("sf_kv_cache *")
+    c.data = ffi.cast("void *", arr.ctypes.data)
+    c.n_outer, c.outer_stride = n_outer, outer_stride
+    c.batch, c.batch_stride = batch, arr.strides[ba]
+    c.n_inner, c.inner_stride = n_inner, inner_stride
+    c.seq_len, c.seq_stride = arr.shape[sa], arr.strides[sa]
+    c.row_bytes = row_count * arr.itemsize
+    err = ffi.new("sf_error *")
+    status = lib().sf_kv_compact(c, _ptr("int32_t *", nodes) if nodes.size else ffi.NULL,
+                                 _ptr("int32_t *", acc), nodes.shape[1],
+                                 _ptr("int64_t *", roots), err)
+    check(status, "specfast.kv_compact", err.index,
+          "accepted nodes must increase along the path and stay inside the cache")
+    return cache
+
+
+def _kv_compact_torch(cache, nodes, acc, roots, batch_axis, seq_axis):
+    """The same move for tensors on another device, with torch indexing."""
+    torch = _torch()
+    for b in range(acc.shape[0]):
+        n = int(acc[b])
+        path = nodes[b, :n].astype(np.int64)
+        if n == 0 or np.all(path == np.arange(n)):
+            continue
+        if np.any(np.diff(path) <= 0) or path[0] < 0:
+            raise ValueError("kv_compact: accepted nodes must increase along the path")
+        src = torch.as_tensor(roots[b] + 1 + path, device=cache.device)
+        dst = torch.as_tensor(roots[b] + 1 + np.arange(n), device=cache.device)
+        view = cache.select(batch_axis % cache.dim(), b)
+        sa = seq_axis % cache.dim()
+        sa = sa - 1 if sa > batch_axis % cache.dim() else sa
+        view.index_copy_(sa, dst, view.index_select(sa, src))
+    return cache
+
+
+def kv_keep_slots(accepted_nodes, num_accepted, root_slot):
+    """The cache slots to keep per request, root first, in depth order.
+
+    Returns a list of int64 arrays: ``[root, root + 1 + node_0, ...]``, for
+    servers that gather instead of compacting in place.
+    """
+    nodes = np.asarray(accepted_nodes)
+    acc = np.asarray(num_accepted)
+    roots = np.broadcast_to(np.asarray(root_slot, np.int64), acc.shape)
+    return [np.concatenate([[r], r + 1 + nodes[b, : int(acc[b])].astype(np.int64)])
+            for b, r in enumerate(roots)]

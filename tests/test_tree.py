@@ -1,0 +1,150 @@
+"""Tree attention masks, positions and KV compaction against plain references."""
+
+import numpy as np
+import pytest
+
+import specfast
+
+
+def random_parents(rng, n):
+    return np.array([rng.integers(-1, i) for i in range(n)], np.int32)
+
+
+def reference_mask(parents):
+    n = len(parents)
+    mask = np.eye(n + 1, dtype=bool)
+    depth = np.zeros(n + 1, np.int32)
+    for i in range(n):
+        t = i + 1
+        p = parents[i] + 1
+        mask[t] |= mask[p]
+        depth[t] = depth[p] + 1
+    return mask, depth
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 40, 256])
+def test_tree_mask_matches_ancestor_walk(n):
+    rng = np.random.default_rng(n)
+    parents = random_parents(rng, n)
+    mask, pos = specfast.tree_mask(parents)
+    ref_mask, ref_pos = reference_mask(parents)
+    np.testing.assert_array_equal(mask, ref_mask)
+    np.testing.assert_array_equal(pos, ref_pos)
+
+
+def test_packed_mask_and_ragged_batch():
+    rng = np.random.default_rng(1)
+    sizes = [3, 0, 37, 5]
+    parents = np.concatenate([random_parents(rng, n) for n in sizes]).astype(np.int32)
+    dense, pos = specfast.tree_mask(parents, np.array(sizes))
+    packed, pos2 = specfast.tree_mask(parents, np.array(sizes), packed=True)
+    width = max(sizes) + 1
+    assert dense.shape == (4, width, width) and packed.shape == (4, width, 2)
+    bits = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little")[..., :width]
+    np.testing.assert_array_equal(bits.astype(bool), dense)
+    np.testing.assert_array_equal(pos, pos2)
+    start = 0
+    for b, n in enumerate(sizes):
+        ref_mask, ref_pos = reference_mask(parents[start:start + n])
+        np.testing.assert_array_equal(dense[b, : n + 1, : n + 1], ref_mask)
+        assert not dense[b, n + 1:].any() and not dense[b, :, n + 1:].any()
+        np.testing.assert_array_equal(pos[b, : n + 1], ref_pos)
+        assert (pos[b, n + 1:] == -1).all()
+        start += n
+
+
+def test_chain_mask_is_causal():
+    mask, pos = specfast.tree_mask(None, np.array([4]))
+    np.testing.assert_array_equal(mask[0], np.tril(np.ones((5, 5), bool)))
+    np.testing.assert_array_equal(pos[0], np.arange(5))
+
+
+def test_bad_parents_raise():
+    with pytest.raises(ValueError, match="parent"):
+        specfast.tree_mask(np.array([-1, 1]))
+    with pytest.raises(ValueError):
+        specfast.tree_mask(np.array([-1, 0]), np.array([3]))
+
+
+def reference_compact(cache, nodes, acc, roots, batch_axis, seq_axis):
+    out = cache.copy()
+    c = np.moveaxis(out, (batch_axis, seq_axis), (0, -1))
+    src = np.moveaxis(cache, (batch_axis, seq_axis), (0, -1))
+    for b in range(len(acc)):
+        for k in range(acc[b]):
+            c[b, ..., roots[b] + 1 + k] = src[b, ..., roots[b] + 1 + nodes[b, k]]
+    return out
+
+
+def random_paths(rng, batch, n_nodes, seq, roots):
+    nodes = np.full((batch, n_nodes), -1, np.int32)
+    acc = np.zeros(batch, np.int32)
+    for b in range(batch):
+        room = min(n_nodes, seq - roots[b] - 1)
+        k = rng.integers(0, room + 1)
+        path = np.sort(rng.choice(room, size=k, replace=False)) if k else []
+        nodes[b, :k] = path
+        acc[b] = k
+    return nodes, acc
+
+
+LAYOUTS = {
+    "bhsd": ((3, 2, 17, 5), 0, 2),
+    "lkbhsd": ((2, 2, 4, 3, 19, 8), 2, 4),
+    "bsd": ((5, 33, 7), 0, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int16], ids=["f32", "f16", "bf16bits"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_kv_compact_matches_gather(layout, dtype):
+    shape, ba, sa = LAYOUTS[layout]
+    rng = np.random.default_rng(hash(layout) % 1000)
+    cache = rng.standard_normal(shape).astype(dtype) if dtype != np.int16 else \
+        rng.integers(-30000, 30000, shape).astype(np.int16)
+    batch, seq = shape[ba], shape[sa]
+    roots = rng.integers(0, seq // 2, batch)
+    nodes, acc = random_paths(rng, batch, 9, seq, roots)
+    expect = reference_compact(cache, nodes, acc, roots, ba, sa)
+    specfast.kv_compact(cache, nodes, acc, roots, batch_axis=ba, seq_axis=sa)
+    np.testing.assert_array_equal(cache, expect)
+
+
+def test_kv_compact_torch_bfloat16_in_place():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    cache = torch.randn(2, 4, 12, 6, dtype=torch.bfloat16)
+    before = cache.view(torch.int16).numpy().copy()
+    nodes = np.array([[0, 2, 5], [1, -1, -1]], np.int32)
+    acc = np.array([3, 1], np.int32)
+    roots = np.array([3, 0])
+    expect = reference_compact(before, nodes, acc, roots, 0, 2)
+    out = specfast.kv_compact(cache, nodes, acc, roots, batch_axis=0, seq_axis=2)
+    assert out is cache
+    np.testing.assert_array_equal(cache.view(torch.int16).numpy(), expect)
+
+
+def test_kv_compact_rejects_paths_that_do_not_increase_or_overflow():
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    with pytest.raises(ValueError):
+        specfast.kv_compact(cache, np.array([[2, 1]]), np.array([2]), np.array([0]), seq_axis=2)
+    with pytest.raises(ValueError):
+        specfast.kv_compact(cache, np.array([[0, 9]]), np.array([2]), np.array([0]), seq_axis=2)
+
+
+def test_verify_then_compact_keeps_the_accepted_path():
+    # Greedy verification of a tree whose argmax path is node 1 then node 3.
+    V = 10
+    parents = np.array([-1, -1, 0, 1], np.int32)
+    tokens = np.array([4, 7, 2, 5], np.int32)
+    logits = np.zeros((5, V), np.float32)
+    logits[0, 7] = 5      # root row: argmax 7 -> node 1
+    logits[2, 5] = 5      # row after node 1: argmax 5 -> node 3
+    logits[4, 9] = 5      # row after node 3: bonus 9
+    r = specfast.verify(logits, tokens, np.array([4]), parents=parents, temperature=0.0)
+    np.testing.assert_array_equal(r.tokens[0], [7, 5, 9, -1, -1])
+    np.testing.assert_array_equal(r.accepted_nodes[0], [1, 3, -1, -1])
+    cache = np.arange(8, dtype=np.float32).reshape(1, 1, 8, 1)  # root at slot 2
+    specfast.kv_compact(cache, r.accepted_nodes, r.num_accepted, 2, seq_axis=2)
+    assert cache[0, 0, 3, 0] == 4 and cache[0, 0, 4, 0] == 6  # nodes 1, 3 moved up
+    assert [list(s) for s in specfast.kv_keep_slots(r.accepted_nodes, r.num_accepted, 2)] == [[2, 4, 6]]
