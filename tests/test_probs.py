@@ -100,6 +100,12 @@ LN2 = math.log(2.0)
         ([-np.inf, 7.0, -np.inf], dict(top_p=0.1, min_p=0.9), [0, 1, 0]),
         ([0.0, 0.0, 0.0], dict(top_k=7), [1 / 3, 1 / 3, 1 / 3]),
         ([0.0, -100.0], {}, [1.0, 0.0]),  # e^-100 < 2^-40: flushed to exactly 0
+        ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.5), [0.5, 0.5, 0, 0]),  # 0.5 reaches 0.5
+        ([0.0, 0.0, 0.0, 0.0], dict(top_p=0.25), [1, 0, 0, 0]),
+        ([-np.inf, 1.0, -np.inf, 1.0 + LN2], dict(top_k=3), [0, 1 / 3, 0, 2 / 3]),
+        ([0.0, 1.0, 2.0], dict(temperature=1e6), [1 / 3, 1 / 3, 1 / 3]),
+        ([-6e4, -6e4, -6e4], {}, [1 / 3, 1 / 3, 1 / 3]),  # finite in float16 too
+        ([5.0, 5.0, 5.0, 4.0], dict(top_k=2, top_p=0.4), [1, 0, 0, 0]),
     ],
     ids=[
         "plain",
@@ -119,6 +125,12 @@ LN2 = math.log(2.0)
         "single-finite",
         "top_k>vocab",
         "flush-below-2^-40",
+        "top_p-reached-exactly",
+        "top_p-reached-exactly-one",
+        "top_k-more-than-finite",
+        "T=1e6",
+        "all-very-negative",
+        "top_k-then-top_p-ties",
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -201,6 +201,55 @@ def test_fixed_drafts_exact_outcomes(name, dtype, rng):
     assert_outcomes(outcome_keys(res), expected, f"{name} ({dtype}, {params})")
 
 
+def test_fixed_drafts_per_request_parameters(rng):
+    """Copies of one request under two parameter sets in one call (per-request arrays):
+    each group follows the exact outcome distribution of its own parameters."""
+    rows, parents, tokens, kind, qarg, q_dense, _ = fixed_case("chain3-dense", rng)
+    groups = [dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0),
+              dict(temperature=1.3, top_k=4, top_p=0.95, min_p=0.05)]
+    groups[1]["top_p"], groups[1]["min_p"] = safe_params(rows, 1.3, 4, 0.95, 0.05)
+    args, kw = replicate(rows, tokens, parents, qarg, B_FIXED, rng, kind=kind, chain=True)
+    g = np.arange(B_FIXED) % 2
+    for k in groups[0]:
+        kw[k] = np.array([groups[0][k], groups[1][k]])[g].astype(
+            np.int32 if k == "top_k" else np.float32
+        )
+    res = call_verify(args, kw)
+    keys = outcome_keys(res)
+    for j, params in enumerate(groups):
+        expected = tree_outcomes(ref_probs(rows, **params), parents, tokens, q_dense)
+        assert_outcomes([k for k, gg in zip(keys, g) if gg == j], expected, f"group {j}")
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse", "none"])
+def test_fixed_drafts_exact_outcomes_wide_vocab(kind, rng):
+    """V = 1031 (odd, many SIMD blocks and a tail): a root with two siblings and one grand
+    child; p concentrated enough that the outcome table is well populated."""
+    V, B = 1031, scaled(20_000)
+    parents = np.array([-1, -1, 0], np.int32)
+    rows = (rng.standard_normal((4, V)) * 3.0).astype(np.float32)
+    order0 = np.argsort(-rows[0])
+    tokens = np.array([order0[1], order0[0], np.argsort(-rows[1])[2]], np.int32)
+    q = rng.dirichlet(np.full(V, 0.05), size=3)
+    q[:, tokens] += 0.05  # each draft has weight under its q
+    q = (q / q.sum(1, keepdims=True)).astype(np.float32)
+    if kind == "dense":
+        qarg, q_dense = q, q.astype(np.float64)
+    elif kind == "sparse":
+        K = 16
+        ids = np.argsort(-q, axis=1)[:, :K].astype(np.int32)
+        vals = np.take_along_axis(q, ids, 1).astype(np.float64)
+        vals = (vals / vals.sum(1, keepdims=True)).astype(np.float32)
+        qarg, q_dense = (ids, vals), sparse_to_dense(ids, vals, V)
+    else:
+        qarg, q_dense = None, one_hot(tokens, V)
+    expected = tree_outcomes(ref_probs(rows), parents, tokens, q_dense)
+    args, kw = replicate(rows, tokens, parents, qarg, B, rng, kind=kind)
+    res = call_verify(args, kw)
+    check_structure(res, args[1], args[2], kw["parents"], V)
+    assert_outcomes(outcome_keys(res), expected, f"V=1031 {kind}")
+
+
 @pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
 def test_zero_probability_draft_is_never_accepted(kind, rng):
     """p(x) = 0 (banned or filtered) or q(x) = 0 means rejection, whatever the coin: the
@@ -314,12 +363,13 @@ def test_acceptance_rate_catches_always_reject(rng):
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("vocab", [12, 32000], ids=lambda v: f"V={v}")
 @pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
 @pytest.mark.parametrize("layout", ["chain", "tree"])
-def test_bonus_token_equals_sample(layout, kind, rng):
+def test_bonus_token_equals_sample(layout, kind, vocab, rng):
     """All drafts accepted (their target probability is 1) -> the bonus token is
     sample(row of the last accepted node, seed, position + depth, method="rejection")."""
-    V, B = 12, 3000
+    V, B = vocab, (3000 if vocab < 1000 else 40)
     reqs = []
     for b in range(B):
         nd = int(rng.integers(0, 5))
@@ -376,11 +426,12 @@ def row_positions(num_draft, parents, position):
     return np.concatenate(out)
 
 
+@pytest.mark.parametrize("vocab", [6, 32000], ids=lambda v: f"V={v}")
 @pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
-def test_coupled_equals_sample_walk(kind, rng):
+def test_coupled_equals_sample_walk(kind, vocab, rng):
     """Coupled verify emits, at depth i, sample(row reached, seed, position + i, "coupled"),
     accepting a child iff its token equals that sample (siblings in order)."""
-    V, B = 6, 2000
+    V, B = vocab, (2000 if vocab < 1000 else 40)
     reqs = [random_request(rng, V, 7, tree=bool(i % 2)) for i in range(B)]
     args, kw = pack(reqs, kind)
     nd = args[2]
@@ -625,6 +676,48 @@ def test_scalar_parameters_broadcast(rng):
         b = call_verify(args, kw, method=method, **arrays)
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.accepted_nodes, b.accepted_nodes)
+
+
+@pytest.mark.parametrize("method", ["rejection", "coupled"])
+def test_long_chain_and_wide_tree(method, rng):
+    """A chain of 300 drafts that must all be accepted, and a root with 200 siblings of
+    which only the last has target probability (the residual is carried 199 times)."""
+    V, n = 50, 300
+    tokens = rng.integers(0, V, n).astype(np.int32)
+    logits = np.full((n + 1, V), -np.inf, np.float32)
+    logits[np.arange(n), tokens] = 0.0
+    logits[n] = rng.standard_normal(V)
+    res = sf.verify(logits, tokens, np.array([n], np.int32), seed=4, position=9, method=method)
+    assert res.num_accepted[0] == n
+    np.testing.assert_array_equal(res.tokens[0, :n], tokens)
+    np.testing.assert_array_equal(res.accepted_nodes[0], np.arange(n))
+    want = sf.sample(logits[n:], seed=4, position=9 + n, method=method)
+    assert res.tokens[0, n] == want[0]
+
+    m = 200
+    V = 256
+    sib = rng.permutation(V)[:m].astype(np.int32)
+    logits = np.zeros((m + 1, V), np.float32)
+    logits[0, sib[:-1]] = -np.inf  # only the last sibling's token and non-drafted ones
+    res = sf.verify(logits, sib, np.array([m], np.int32), parents=np.full(m, -1, np.int32),
+                    seed=4, position=9, method=method)
+    p = ref_probs_row(logits[0])
+    a = int(res.num_accepted[0])
+    if a:
+        assert res.accepted_nodes[0, 0] == m - 1 and res.tokens[0, 0] == sib[-1]
+    else:
+        assert p[res.tokens[0, 0]] > 0 and res.tokens[0, 0] not in sib[:-1]
+    # over many seeds the last sibling is accepted with probability p(its token)
+    B = scaled(20_000)
+    big = np.tile(logits, (B, 1))
+    r = sf.verify(big, np.tile(sib, B), np.full(B, m, np.int32),
+                  parents=np.full(B * m, -1, np.int32),
+                  seed=np.arange(B, dtype=np.uint64), position=9, method=method)
+    hit = (np.asarray(r.accepted_nodes)[:, 0] == m - 1).sum()
+    if method == "rejection":
+        assert_rate(hit, B, p[sib[-1]], "last of 200 siblings")
+    first = np.asarray(r.tokens)[:, 0]
+    assert_samples(first, p, f"first token, 200 siblings ({method})")
 
 
 def test_result_layout_with_zero_drafts(rng):

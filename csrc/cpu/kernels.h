@@ -1,10 +1,10 @@
 /*
  * kernels.h: the row kernels of the CPU backend, one table per SIMD level.
  *
- * kernels_impl.h holds one body of plain C written in 16-lane blocks; it is
- * compiled once per level (kernels_scalar.c, kernels_avx2.c,
- * kernels_avx512.c) and dispatch.c picks a table at run time. Reductions keep
- * 16 fixed lanes and integer masses, so every level returns the same bits.
+ * kernels_impl.h holds one body written in GCC vector extensions (vec.h); it
+ * is compiled once per level (kernels_scalar.c, kernels_avx2.c,
+ * kernels_avx512.c) and dispatch.c picks a table at run time. Sums are exact
+ * integers and maxima, so every level returns the same bits.
  */
 #ifndef SF_CPU_KERNELS_H
 #define SF_CPU_KERNELS_H
@@ -13,7 +13,6 @@
 
 #include "specfast.h"
 
-#define SF_LANES 16
 #define SF_BLOCK 256 /* elements per block sum of an inverse-CDF draw */
 
 /* Which tokens of a row are kept, and how their weights are formed. A token v
@@ -45,7 +44,8 @@ typedef struct sf_weights_in {
 typedef struct sf_weights_out {
     uint64_t total;   /* sum of w */
     int64_t kept;     /* tokens with a kept logit (row source only) */
-    float q_sum;      /* sum of q, when q is read whole (else NaN) */
+    uint64_t q_mass;  /* sum of floor(q * 2^40) when q is read whole, else
+                         UINT64_MAX */
     int q_bad;        /* a q value negative, NaN or infinite */
 } sf_weights_out;
 

@@ -1,8 +1,8 @@
 /*
  * kernels_impl.h: the body of the CPU row kernels, included once per SIMD
- * level with SF_TABLE naming the table to define. Work runs over chunks of 16
- * tokens in the vectors of vec.h, with one accumulator per lane and integer
- * masses, so every level returns the same bits.
+ * level with SF_TABLE naming the table to define. Work runs over chunks of
+ * SF_W tokens (the level's vector width, vec.h) with exact integer masses,
+ * so every level returns the same bits.
  */
 #include <math.h>
 
@@ -10,23 +10,23 @@
 #include "vec.h"
 
 /* Tokens [i, i + 16) of a row as float; past the end, -inf. */
-static inline vf load_chunk(const void *row, sf_dtype dtype, int64_t i, int64_t n) {
-    if (i + SF_LANES <= n) {
+static inline __attribute__((always_inline)) vf load_chunk(const void *row, sf_dtype dtype, int64_t i, int64_t n) {
+    if (i + SF_W <= n) {
         if (dtype == SF_F32) return vload((const float *)row + i);
         if (dtype == SF_BF16) return vbf16((const uint16_t *)row + i);
         return vf16((const uint16_t *)row + i);
     }
     vf x;
-    for (int j = 0; j < SF_LANES; j++)
+    for (int j = 0; j < SF_W; j++)
         x[j] = i + j < n ? sf_load(row, dtype, i + j) : -INFINITY;
     return x;
 }
 
 /* 16 floats from p + i, zeros past n. */
-static inline vf load_floats(const float *p, int64_t i, int64_t n) {
-    if (i + SF_LANES <= n) return vload(p + i);
+static inline __attribute__((always_inline)) vf load_floats(const float *p, int64_t i, int64_t n) {
+    if (i + SF_W <= n) return vload(p + i);
     vf x;
-    for (int j = 0; j < SF_LANES; j++) x[j] = i + j < n ? p[i + j] : 0.0f;
+    for (int j = 0; j < SF_W; j++) x[j] = i + j < n ? p[i + j] : 0.0f;
     return x;
 }
 
@@ -36,19 +36,19 @@ static float row_max(const void *row, sf_dtype dtype, int64_t n, int *bad) {
     vf m0 = vf_set(-INFINITY), m1 = m0;
     vi nan = vi_set(0);
     int64_t i = 0;
-    for (; i + 2 * SF_LANES <= n; i += 2 * SF_LANES) {
-        vf x0 = load_chunk(row, dtype, i, n), x1 = load_chunk(row, dtype, i + SF_LANES, n);
+    for (; i + 2 * SF_W <= n; i += 2 * SF_W) {
+        vf x0 = load_chunk(row, dtype, i, n), x1 = load_chunk(row, dtype, i + SF_W, n);
         m0 = vsel(x0 > m0, x0, m0);
         m1 = vsel(x1 > m1, x1, m1);
         nan |= (x0 != x0) | (x1 != x1);
     }
-    for (; i < n; i += SF_LANES) {
+    for (; i < n; i += SF_W) {
         vf x = load_chunk(row, dtype, i, n);
         m0 = vsel(x > m0, x, m0);
         nan |= x != x;
     }
     float r = -INFINITY;
-    for (int j = 0; j < SF_LANES; j++) {
+    for (int j = 0; j < SF_W; j++) {
         r = m0[j] > r ? m0[j] : r;
         r = m1[j] > r ? m1[j] : r;
     }
@@ -57,24 +57,24 @@ static float row_max(const void *row, sf_dtype dtype, int64_t n, int *bad) {
 }
 
 static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max) {
-    for (int64_t i = 0; i < n; i += SF_LANES) {
+    for (int64_t i = 0; i < n; i += SF_W) {
         vf x = load_chunk(row, dtype, i, n);
         if (vany(x == max))
-            for (int j = 0; j < SF_LANES; j++)
+            for (int j = 0; j < SF_W; j++)
                 if (x[j] == max) return i + j;
     }
     return -1;
 }
 
 /* Lanes at or above the cut (never -inf). */
-static inline vi above_cut(const sf_row *r, vf x, int64_t i) {
+static inline __attribute__((always_inline)) vi above_cut(const sf_row *r, vf x, int64_t i) {
     vi ids = vi_iota((int32_t)i);
     return ((x > r->cut_logit) | ((x == r->cut_logit) & (ids <= r->cut_id))) &
            (x > -INFINITY);
 }
 
-static inline vf scaled(const sf_row *r, vf x) { return (x - r->max) * r->inv_t; }
-static inline vf row_e(const sf_row *r, vf x) { return vexp2((x - r->max) * r->c); }
+static inline __attribute__((always_inline)) vf scaled(const sf_row *r, vf x) { return (x - r->max) * r->inv_t; }
+static inline __attribute__((always_inline)) vf row_e(const sf_row *r, vf x) { return vexp2((x - r->max) * r->c); }
 
 /* One weights pass, specialised by inlining on what the call needs: `cut`
  * (filters or min-p apply), `from_row` (base values from the logits, else from
@@ -91,11 +91,12 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     if (store) resid -= first * SF_BLOCK;
     uint64_t total = 0;
     vi kept = vi_set(0), qbad = vi_set(0);
-    vf qs = vf_set(0.0f);
+    uint64_t q_total = 0;
     for (int64_t blk = first; blk < stop; blk++) {
+        vmass qmass = vmass_zero();
         vmass mass = vmass_zero();
         const int64_t end = (blk + 1) * SF_BLOCK < n ? (blk + 1) * SF_BLOCK : n;
-        for (int64_t i = blk * SF_BLOCK; i < end; i += SF_LANES) {
+        for (int64_t i = blk * SF_BLOCK; i < end; i += SF_W) {
             vf b;
             if (from_row) {
                 vf x = load_chunk(r->data, r->dtype, i, n);
@@ -106,7 +107,7 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
                         /* Nothing kept: weight 0 whatever q is, and q here
                          * is never read (nor checked). */
                         if (store) {
-                            if (i + SF_LANES <= n) vstore(resid + i, vf_set(0.0f));
+                            if (i + SF_W <= n) vstore(resid + i, vf_set(0.0f));
                             else for (int j = 0; i + j < n; j++) resid[i + j] = 0.0f;
                         }
                         continue;
@@ -123,29 +124,30 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
             vf rr;
             if (with_q) {
                 vf q = load_floats(in->q, i, n);
-                qs += q;
-                qbad |= ~(q >= 0.0f) | (q == INFINITY);
+                vi ok = (q >= 0.0f) & (q <= 1.001f); /* false for NaN */
+                qbad |= ~ok;
+                vmass_add(&qmass, vsel(ok, q, vf_set(0.0f)));
                 rr = vresid(b, scale, q);
             } else {
                 rr = b; /* without q the scale is 1 and b >= 0 */
             }
             vmass_add(&mass, rr);
             if (store) {
-                if (i + SF_LANES <= n) vstore(resid + i, rr);
+                if (i + SF_W <= n) vstore(resid + i, rr);
                 else for (int j = 0; i + j < n; j++) resid[i + j] = rr[j];
             }
         }
         uint64_t bs = vmass_total(mass);
         if (blocks) blocks[blk - first] = bs;
         total += bs;
+        if (with_q) q_total += vmass_total(qmass);
     }
     int64_t k = 0;
-    float qsum = 0.0f;
-    for (int j = 0; j < SF_LANES; j++) { k += kept[j]; qsum += qs[j]; }
+    for (int j = 0; j < SF_W; j++) k += kept[j];
     out->total = total;
     out->kept = from_row ? k : 0;
     /* Under a cut only the chunks with kept tokens read q: no full sum. */
-    out->q_sum = cut && from_row ? NAN : qsum;
+    out->q_mass = with_q && !(cut && from_row) ? q_total : UINT64_MAX;
     out->q_bad = vany(qbad);
 }
 
@@ -182,16 +184,18 @@ static inline uint32_t noise_bound(float best) {
 }
 
 static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) {
+    /* 64 tokens at a time: 16 Philox blocks give their noise words (see
+     * sf_noise_word), computed SF_W blocks per vector call. */
+    enum { PER = 64 / SF_W, CALLS = 16 / SF_W };
     const int64_t n = r->vocab;
     float best = -INFINITY;
     int64_t best_id = -1;
     uint32_t bound = UINT32_MAX;
-    /* 64 tokens at a time: one vector Philox call gives all their words. */
-    for (int64_t i0 = 0; i0 < n && bound > 0; i0 += 4 * SF_LANES) {
-        vf s[4];
-        vi keep[4], any = vi_set(0);
-        for (int c = 0; c < 4; c++) {
-            const int64_t i = i0 + c * SF_LANES;
+    for (int64_t i0 = 0; i0 < n && bound > 0; i0 += 64) {
+        vf s[PER];
+        vi keep[PER], any = vi_set(0);
+        for (int c = 0; c < PER; c++) {
+            const int64_t i = i0 + c * SF_W;
             vf x = i < n ? load_chunk(r->data, r->dtype, i, n) : vf_set(-INFINITY);
             keep[c] = above_cut(r, x, i);
             if (r->min_e > 0.0f) keep[c] &= row_e(r, x) >= r->min_e;
@@ -199,18 +203,22 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
             any |= keep[c];
         }
         if (!vany(any)) continue;
-        vu w[4];
-        vphilox(seed, position, SF_PURPOSE_NOISE,
-                (vu)vi_iota((int32_t)((i0 >> 6) * 16)), w);
-        for (int c = 0; c < 4; c++) {
-            vi cand = keep[c] & ((vi)(w[c] < bound) | (bound == UINT32_MAX ? -1 : 0));
+        vu w[CALLS][4];
+        for (int h = 0; h < CALLS; h++)
+            vphilox(seed, position, SF_PURPOSE_NOISE,
+                    (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)), w[h]);
+        /* Chunk c holds tokens i0 + c SF_W ..: word (c SF_W) / 16 of the
+         * call covering lanes (c SF_W) % 16 onwards. */
+        for (int c = 0; c < PER; c++) {
+            const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
+            vi cand = keep[c] & ((vi)(word < bound) | (bound == UINT32_MAX ? -1 : 0));
             if (!vany(cand)) continue;
-            for (int j = 0; j < SF_LANES; j++) {
+            for (int j = 0; j < SF_W; j++) {
                 if (!cand[j]) continue;
-                float key = SF_FADD(s[c][j], sf_gumbel(w[c][j]));
+                float key = SF_FADD(s[c][j], sf_gumbel(word[j]));
                 if (key > best || best_id < 0) {
                     best = key;
-                    best_id = i0 + c * SF_LANES + j;
+                    best_id = i0 + c * SF_W + j;
                     bound = noise_bound(best);
                 }
             }
@@ -223,11 +231,11 @@ static int64_t gather(const sf_row *r, float lo, float hi, int32_t *ids,
                       float *vals, int64_t cap) {
     const int64_t n = r->vocab;
     int64_t count = 0;
-    for (int64_t i = 0; i < n; i += SF_LANES) {
+    for (int64_t i = 0; i < n; i += SF_W) {
         vf x = load_chunk(r->data, r->dtype, i, n);
         vi hit = (x >= lo) & (x < hi);
         if (!vany(hit)) continue;
-        for (int j = 0; j < SF_LANES; j++) {
+        for (int j = 0; j < SF_W; j++) {
             if (!hit[j]) continue;
             if (count < cap) { ids[count] = (int32_t)(i + j); vals[count] = x[j]; }
             count++;
@@ -272,11 +280,11 @@ static int64_t topk(const sf_row *r, int64_t k, int32_t *ids, float *vals,
     const int64_t n = r->vocab;
     int64_t count = 0;
     float thr = -INFINITY; /* a token enters only above the k-th best so far */
-    for (int64_t i = 0; i < n; i += SF_LANES) {
+    for (int64_t i = 0; i < n; i += SF_W) {
         vf x = load_chunk(r->data, r->dtype, i, n);
         vi hit = x > thr;
         if (!vany(hit)) continue;
-        for (int j = 0; j < SF_LANES; j++) {
+        for (int j = 0; j < SF_W; j++) {
             if (!(x[j] > thr)) continue;
             ids[count] = (int32_t)(i + j);
             vals[count] = x[j];

@@ -1,8 +1,9 @@
 /*
- * vec.h: 16-lane vectors in GCC's vector extensions. The same source becomes
- * zmm code with -mavx512f, pairs of ymm with -mavx2 and quads of xmm on plain
- * x86-64, and each lane does exactly the scalar operations of shared.h, in the
- * same order, so every level rounds alike.
+ * vec.h: vectors of SF_W lanes in GCC's vector extensions, SF_W being the
+ * native width of the level a file is built for (16 with AVX-512, 8 with AVX2,
+ * 4 on plain x86-64 or any other target). Each lane does exactly the scalar
+ * operations of shared.h, and every sum the kernels take is an exact integer
+ * or a maximum, so the width never changes a result.
  */
 #ifndef SF_CPU_VEC_H
 #define SF_CPU_VEC_H
@@ -12,41 +13,61 @@
 
 #include "../common/shared.h"
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+#define SF_W 16
+#elif defined(__AVX2__)
+#define SF_W 8
+#else
+#define SF_W 4
+#endif
 
-static inline vf vf_set(float x) { return (vf){0} + x; }
-static inline vi vi_set(int32_t x) { return (vi){0} + x; }
-static inline vi vi_iota(int32_t x) {
-    return (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + x;
+#define SF_VEC(t) __attribute__((vector_size(SF_W * sizeof(t))))
+typedef float vf SF_VEC(float);
+typedef int32_t vi SF_VEC(int32_t);
+typedef uint32_t vu SF_VEC(uint32_t);
+typedef uint16_t vh SF_VEC(uint16_t);
+#define SF_INLINE static inline __attribute__((always_inline))
+
+SF_INLINE vf vf_set(float x) { return (vf){0} + x; }
+SF_INLINE vi vi_set(int32_t x) { return (vi){0} + x; }
+SF_INLINE vi vi_iota(int32_t x) {
+    vi v;
+    for (int j = 0; j < SF_W; j++) v[j] = j;
+    return v + x;
 }
 
 /* m ? a : b, lane by lane (m lanes are 0 or -1, as comparisons give). */
-static inline vf vsel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
+SF_INLINE vf vsel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
 
-/* Any lane set: a halving tree of vector ORs, not 16 lane extracts. */
-typedef int32_t vi8 __attribute__((vector_size(32)));
+/* Any lane set: a halving tree of vector ORs rather than lane extracts. */
 typedef int32_t vi4 __attribute__((vector_size(16)));
-static inline int vany(vi m) {
+SF_INLINE int vany(vi m) {
+#if SF_W == 16
+    typedef int32_t vi8 __attribute__((vector_size(32)));
     vi8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) |
             __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
     vi4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) |
             __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif SF_W == 8
+    vi4 b = __builtin_shufflevector(m, m, 0, 1, 2, 3) |
+            __builtin_shufflevector(m, m, 4, 5, 6, 7);
+#else
+    vi4 b = m;
+#endif
     return (b[0] | b[1] | b[2] | b[3]) != 0;
 }
 
-static inline vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
-static inline void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
+SF_INLINE vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+SF_INLINE void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
-static inline vf vbf16(const uint16_t *p) {
+SF_INLINE vf vbf16(const uint16_t *p) {
     vh h;
     memcpy(&h, p, sizeof h);
     return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
-static inline vf vf16(const uint16_t *p) {
+/* sf_f16_to_f32, lane by lane. */
+SF_INLINE vf vf16(const uint16_t *p) {
     vh h16;
     memcpy(&h16, p, sizeof h16);
     vu h = __builtin_convertvector(h16, vu);
@@ -61,7 +82,7 @@ static inline vf vf16(const uint16_t *p) {
 }
 
 /* sf_exp2, lane by lane. */
-static inline vf vexp2(vf y) {
+SF_INLINE vf vexp2(vf y) {
     const vf magic = vf_set(12582912.0f);
     vi low = y < SF_EXP2_MIN;
     vf yc = vsel(low, vf_set(SF_EXP2_MIN), y);
@@ -79,10 +100,10 @@ static inline vf vexp2(vf y) {
     return vsel(low, vf_set(0.0f), e);
 }
 
-/* sf_philox for 16 counters that differ in their index word. */
-typedef uint64_t vq __attribute__((vector_size(128)));
-static inline void vphilox(uint64_t seed, int64_t position, uint32_t purpose,
-                           vu index, vu out[4]) {
+/* sf_philox for SF_W counters that differ in their index word. */
+typedef uint64_t vq SF_VEC(uint64_t);
+SF_INLINE void vphilox(uint64_t seed, int64_t position, uint32_t purpose,
+                       vu index, vu out[4]) {
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     vu c0 = (vu){0} + (uint32_t)(uint64_t)position;
     vu c1 = (vu){0} + (uint32_t)((uint64_t)position >> 32);
@@ -103,7 +124,7 @@ static inline void vphilox(uint64_t seed, int64_t position, uint32_t purpose,
 }
 
 /* max(0, b * scale - q), NaN to 0, as sf_resid. */
-static inline vf vresid(vf b, float scale, vf q) {
+SF_INLINE vf vresid(vf b, float scale, vf q) {
     vf x = b * scale - q;
     return vsel(x > 0.0f, x, vf_set(0.0f));
 }
@@ -112,19 +133,19 @@ static inline vf vresid(vf b, float scale, vf q) {
  * vectors. With AVX-512DQ a float converts straight to uint64; elsewhere r is
  * split into two exact 20-bit halves that int32 lanes convert and add. Either
  * way the total is the same integer. */
-#if defined(__AVX512DQ__)
+#if defined(__AVX512DQ__) && SF_W == 16
 typedef float vf8 __attribute__((vector_size(32)));
 typedef uint64_t vq8 __attribute__((vector_size(64)));
 typedef struct { vq8 a, b; } vmass;
-static inline vmass vmass_zero(void) { return (vmass){{0}, {0}}; }
-static inline void vmass_add(vmass *m, vf r) {
+SF_INLINE vmass vmass_zero(void) { return (vmass){{0}, {0}}; }
+SF_INLINE void vmass_add(vmass *m, vf r) {
     vf s = r * 1099511627776.0f;
     m->a += __builtin_convertvector(
         __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7), vq8);
     m->b += __builtin_convertvector(
         __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15), vq8);
 }
-static inline uint64_t vmass_total(vmass m) {
+SF_INLINE uint64_t vmass_total(vmass m) {
     vq8 t = m.a + m.b;
     uint64_t r = 0;
     for (int j = 0; j < 8; j++) r += t[j];
@@ -132,16 +153,16 @@ static inline uint64_t vmass_total(vmass m) {
 }
 #else
 typedef struct { vi hi, lo; } vmass;
-static inline vmass vmass_zero(void) { return (vmass){{0}, {0}}; }
-static inline void vmass_add(vmass *m, vf r) {
+SF_INLINE vmass vmass_zero(void) { return (vmass){{0}, {0}}; }
+SF_INLINE void vmass_add(vmass *m, vf r) {
     vf s = r * 1048576.0f;
     vi h = __builtin_convertvector(s, vi);
     m->hi += h;
     m->lo += __builtin_convertvector((s - __builtin_convertvector(h, vf)) * 1048576.0f, vi);
 }
-static inline uint64_t vmass_total(vmass m) {
+SF_INLINE uint64_t vmass_total(vmass m) {
     int64_t hs = 0, ls = 0;
-    for (int j = 0; j < 16; j++) { hs += m.hi[j]; ls += m.lo[j]; }
+    for (int j = 0; j < SF_W; j++) { hs += m.hi[j]; ls += m.lo[j]; }
     return ((uint64_t)hs << 20) + (uint64_t)ls;
 }
 #endif

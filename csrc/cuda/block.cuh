@@ -15,7 +15,7 @@
 
 #include <stdint.h>
 
-#include "../common/shared.h"
+#include "shared.cuh"
 #include "specfast.h"
 
 #define SF_CU_THREADS 512

@@ -86,7 +86,8 @@ class Case:
 
     @property
     def input_bytes(self) -> int:
-        q = self.nodes * self.vocab * 4 if self.draft == "dense" else 0
+        dense = self.draft == "dense" and self.method == "rejection"
+        q = self.nodes * self.vocab * 4 if dense else 0
         return self.rows * self.vocab * self.itemsize + q
 
     @property
@@ -202,7 +203,8 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     drafted token is sampled from q ("dense"), from q's top-8 renormalised ("sparse"), is
     q's argmax (one-hot drafts, "none"), or, for coupled verification, is the drafter's
     own Gumbel-max token with the verifier's noise (:func:`specfast.sample` with
-    ``method="coupled"`` at the same seed and position).
+    ``method="coupled"`` at the same seed and position). With filters, the drafter uses
+    the same top_k / top_p as the target.
     """
     import specfast
 
@@ -210,7 +212,8 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     B, K, V = case.batch, case.draft_len, case.vocab
     logits = np.empty((case.rows, V), _np_dtype(case.dtype))
     tokens = np.empty(case.nodes, np.int32)
-    q_dense = np.empty((case.nodes, V), np.float32) if case.draft == "dense" else None
+    dense = case.draft == "dense" and case.method == "rejection"
+    q_dense = np.empty((case.nodes, V), np.float32) if dense else None
     sparse = case.draft == "sparse" and case.method == "rejection"
     q_ids = np.empty((case.nodes, SPARSE_K), np.int32) if sparse else None
     q_vals = np.empty((case.nodes, SPARSE_K), np.float32) if sparse else None
@@ -235,11 +238,10 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
             pos_rows = (np.repeat(positions[b0:b1], K)
                         + np.tile(np.arange(K, dtype=np.int64), b1 - b0))
             tokens[n0:n1] = specfast.sample(dl, seed=seed_rows, position=pos_rows,
-                                            method="coupled")
-            if q_dense is not None:
-                q_dense[n0:n1] = _softmax(dl)
+                                            method="coupled", **case.params)
             continue
-        q = _softmax(dl)
+        # The drafter samples with the same filters as the target.
+        q = specfast.probs(dl, **case.params) if case.params else _softmax(dl)
         if case.draft == "none":
             tokens[n0:n1] = q.argmax(axis=1)
         elif case.draft == "dense":
@@ -252,8 +254,6 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
             q_ids[n0:n1], q_vals[n0:n1] = top, vals
             pick = _sample_rows(rng, vals)
             tokens[n0:n1] = top[np.arange(top.shape[0]), pick]
-    if case.method == "coupled":
-        q_dense = None  # coupled verification ignores q: do not pass it
     return Inputs(case, logits, tokens, np.full(B, K, np.int32), q_dense, q_ids, q_vals,
                   seeds, positions)
 
@@ -453,6 +453,8 @@ def machine() -> dict:
     info = dict(cpu=model, cores=os.cpu_count(), python=platform.python_version(),
                 numpy=np.__version__, specfast=specfast.__version__,
                 simd=specfast.simd_level(), specfast_threads=specfast.get_num_threads())
+    if hasattr(os, "getloadavg"):  # other jobs on the machine make the times noisy
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
     try:
         import torch
 
@@ -589,7 +591,8 @@ def run(args) -> int:
     print(f"# {info['cpu']}, {info['cores']} cores; specfast {info['specfast']} "
           f"({info['simd']}, {info['specfast_threads']} threads), numpy {info['numpy']}"
           + (f", torch {info['torch']} ({info['torch_threads']} threads)" if "torch" in info
-             else ""))
+             else "")
+          + (f"; load average {info['load_average'][0]}" if "load_average" in info else ""))
     print(f"# medians of {args.repeats}, interleaved; x floor = specfast / numpy.max, "
           "vs torch = torch / specfast")
     print(format_table(rows))

@@ -221,6 +221,23 @@ class HFModel:
         if state.slots > 64 and state.slots > 1.5 * longest + 32:
             self._compact(state)
 
+    def select(self, state: HFState, rows) -> None:
+        """Keeps only these rows of the batch, in this order."""
+        torch = self.torch
+        rows = list(rows)
+        if rows == list(range(len(state.lengths))):
+            return
+        index = torch.as_tensor(rows, dtype=torch.long)
+        for layer in state.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+        state.valid = state.valid.index_select(0, index)
+        state.pos = state.pos.index_select(0, index)
+        lengths = [state.lengths[r] for r in rows]
+        state.lengths = [n + 1 for n in lengths]  # force truncate to re-crop
+        self.truncate(state, lengths)
+
     def _compact(self, state: HFState) -> None:
         """Moves each row's live slots to the end of a cache of max(lengths) slots."""
         torch = self.torch

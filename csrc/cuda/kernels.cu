@@ -1,0 +1,994 @@
+/*
+ * kernels.cu: sf_verify, sf_sample and sf_probs on the GPU.
+ *
+ * One launch per call: one block per request (per row for sample / probs),
+ * walking its chain or tree as csrc/cpu/verify.c does and reading only the
+ * rows it reaches. Each step of csrc/cpu/dist.c becomes a block-wide pass
+ * over the row:
+ * - the max (and the first index of it, for greedy) by a block reduction;
+ * - top-k and top-p cuts by a radix select on the rank key (logit
+ *   descending, id ascending), 8 bits per pass, with exact integer counts
+ *   (top-k) or exact integer masses (top-p): no sort, the same cut as the CPU
+ *   whatever the order of the sums;
+ * - the weights pass: per-tile sums of floor(w * 2^40) in shared memory,
+ *   added with integer atomics (order-independent, exact);
+ * - the inverse-CDF draw: the tile holding the target, then a block scan of
+ *   the threads' 8-token sums, then the token inside: the first token whose
+ *   inclusive prefix exceeds the target, as sf_dist_draw finds it;
+ * - Gumbel-max: argmax of (l - max) * inv_t + G, lowest id on ties.
+ * Decisions that are serial on the CPU (acceptance tests, sparse residual
+ * patches) run on thread 0 with the same double arithmetic.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+
+#include "block.cuh"
+#include "specfast_cuda.h"
+
+/* ---- state ---- */
+
+struct sf_cu_params_row {
+    float temperature;
+    int32_t top_k;
+    float top_p, min_p;
+    uint64_t seed;
+    int64_t position;
+};
+
+/* The current distribution of a row (sf_dist): filters, where the weights
+ * come from (in.base / scale / q), total, overrides. Lives in shared memory. */
+struct sf_cu_dist {
+    sf_cu_row r;
+    const float *base;
+    float scale;
+    const float *q;
+    uint64_t total;
+    int n_over;
+    int resid_next;
+};
+
+struct sf_cu_verify_args {
+    const void *logits;
+    int64_t vocab, row_stride;
+    const int32_t *tokens;
+    int64_t n;
+    const int32_t *num_draft;
+    int64_t batch;
+    const int32_t *parents;
+    int kind;
+    const float *dense;
+    const int32_t *sparse_ids;
+    const float *sparse_probs;
+    int64_t sparse_k;
+    sf_cuda_params params;
+    int method;
+    int32_t *out_tokens, *out_acc, *out_nodes;
+    int64_t max_draft;
+    int32_t *status;
+    int32_t *over_id;  /* n * k_over */
+    uint64_t *over_w;  /* n * k_over */
+    float *resid;      /* batch * 2 * vocab, or NULL */
+};
+
+struct sf_cu_rows_args {
+    const void *logits;
+    int64_t rows, vocab, row_stride;
+    sf_cuda_params params;
+    int method;
+    int32_t *tokens;
+    float *probs;
+    int32_t *status;
+};
+
+#define SF_PHASE_PARAMS 0
+#define SF_PHASE_DRAFT 1
+#define SF_PHASE_RUN 2
+#define SF_STATUS(code, phase) ((int32_t)(code) | ((phase) << 8))
+
+template <class T>
+__device__ __forceinline__ T sf_cu_pick(const T *p, int64_t n, T value, int64_t b) {
+    return p ? p[n == 1 ? 0 : b] : value;
+}
+
+__device__ sf_cu_params_row sf_cu_get_params(const sf_cuda_params &p, int64_t b) {
+    sf_cu_params_row r;
+    r.temperature = sf_cu_pick(p.temperature, p.n_temperature, p.temperature_value, b);
+    r.top_k = sf_cu_pick(p.top_k, p.n_top_k, p.top_k_value, b);
+    r.top_p = sf_cu_pick(p.top_p, p.n_top_p, p.top_p_value, b);
+    r.min_p = sf_cu_pick(p.min_p, p.n_min_p, p.min_p_value, b);
+    r.seed = sf_cu_pick(p.seed, p.n_seed, p.seed_value, b);
+    r.position = sf_cu_pick(p.position, p.n_position, p.position_value, b);
+    return r;
+}
+
+/* sf_params_check's test of one request, then params.h's greedy rule. */
+__device__ bool sf_cu_params_ok(sf_cu_params_row &r) {
+    bool ok = r.temperature >= 0.0f && r.temperature < INFINITY && r.top_k >= 0 &&
+              r.top_p > 0.0f && r.top_p <= 1.0f && r.min_p >= 0.0f && r.min_p <= 1.0f;
+    if (r.temperature > 0.0f && !(1.0f / r.temperature < INFINITY)) r.temperature = 0.0f;
+    return ok;
+}
+
+/* ---- per-token weights, as the CPU's weights pass forms them ---- */
+
+struct sf_cu_in {
+    const float *base; /* stored residual, or NULL: from the row */
+    float scale;
+    const float *q;    /* dense q of the row, or NULL */
+};
+
+/* Weights of tokens [i0, i0 + 8) (0 past n) into rr (the residual floats);
+ * all threads of the block must call it together (a shuffle pairs the two
+ * threads of one CPU 16-token chunk). *read_q tells whether q was read. */
+template <int DT>
+__device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const void *row,
+                                               int64_t n, bool al, const sf_cu_in &in,
+                                               bool cut, int64_t i0, float *rr, bool *read_q) {
+    float b[8];
+    bool rq = true;
+    if (!in.base) {
+        float x[8];
+        sf_cu_load8<DT>(row, i0, n, al, x);
+        if (cut) {
+            bool keep[8];
+            int any = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                keep[j] = sf_cu_above_cut(r, x[j], i0 + j);
+                any |= keep[j];
+            }
+            any |= __shfl_xor_sync(SF_FULL_MASK, any, 1);
+            rq = any != 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float e = sf_cu_row_e(r, x[j]);
+                b[j] = (keep[j] && e >= r.min_e) ? e : 0.0f;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) b[j] = sf_cu_row_e(r, x[j]);
+        }
+    } else {
+        /* Written earlier in this kernel: plain loads, not __ldg. */
+#pragma unroll
+        for (int j = 0; j < 8; j++) b[j] = i0 + j < n ? in.base[i0 + j] : 0.0f;
+    }
+    if (in.q) {
+        if (rq) {
+            float q[8];
+            sf_cu_floats8(in.q, i0, n, sf_cu_aligned(in.q), q);
+#pragma unroll
+            for (int j = 0; j < 8; j++) rr[j] = sf_cu_resid(b[j], in.scale, q[j]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) rr[j] = 0.0f;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; j++) rr[j] = b[j];
+    }
+    *read_q = rq;
+}
+
+__device__ __forceinline__ bool sf_cu_cut_active(const sf_cu_row &r) {
+    return r.cut_logit > -INFINITY || r.min_e > 0.0f;
+}
+
+/* ---- passes over a row (all threads call them together) ---- */
+
+/* The row's max, the first index of it, and whether a NaN or +inf is met. */
+template <int DT>
+__device__ void sf_cu_pass_max(const void *row, int64_t n, bool al, float *mx,
+                               int32_t *amax, int *bad) {
+    float m = -INFINITY;
+    int32_t mi = -1;
+    int nan = 0;
+    for (int64_t i0 = (int64_t)threadIdx.x * 8; i0 < n; i0 += SF_CU_TILE) {
+        float x[8];
+        sf_cu_load8<DT>(row, i0, n, al, x);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            nan |= x[j] != x[j];
+            if (x[j] > m) { m = x[j]; mi = (int32_t)(i0 + j); }
+        }
+    }
+    sf_cu_best best = {m, mi};
+    best = sf_cu_block_best(best);
+    nan = __syncthreads_or(nan);
+    *mx = best.id < 0 ? -INFINITY : best.key;
+    *amax = best.id;
+    *bad = nan || *mx == INFINITY;
+}
+
+/* Weights pass: per-tile sums into tiles[], the residual into `store` when
+ * not NULL; returns the total. q_bad / q_sum as sf_weights_out's. */
+template <int DT>
+__device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int64_t n,
+                                       bool al, const sf_cu_in &in, float *store,
+                                       uint64_t *tiles, int ntiles, int *q_bad,
+                                       float *q_sum) {
+    const bool cut = sf_cu_cut_active(r) && !in.base;
+    for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) tiles[t] = 0;
+    __syncthreads();
+    int qbad = 0;
+    float qs = 0.0f;
+    const bool als = store && sf_cu_aligned(store);
+    for (int t = 0; t < ntiles; t++) {
+        const int64_t i0 = (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
+        float rr[8];
+        bool rq;
+        sf_cu_weights8<DT>(r, row, n, al, in, cut, i0, rr, &rq);
+        uint64_t s = 0;
+        if (in.q && rq && i0 < n) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (i0 + j >= n) break;
+                float q = __ldg(in.q + i0 + j);
+                qs = __fadd_rn(qs, q);
+                qbad |= !(q >= 0.0f) || q == INFINITY;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) s += i0 + j < n ? sf_cu_fixed(rr[j]) : 0;
+        if (store && i0 < n) {
+            if (als && i0 + 8 <= n) {
+                float4 *p = (float4 *)(store + i0);
+                p[0] = make_float4(rr[0], rr[1], rr[2], rr[3]);
+                p[1] = make_float4(rr[4], rr[5], rr[6], rr[7]);
+            } else {
+                for (int j = 0; j < 8 && i0 + j < n; j++) store[i0 + j] = rr[j];
+            }
+        }
+        s = sf_cu_warp_sum(s);
+        if ((threadIdx.x & 31) == 0 && s)
+            atomicAdd((unsigned long long *)&tiles[t], (unsigned long long)s);
+    }
+    if (q_bad) *q_bad = __syncthreads_or(qbad);
+    if (q_sum) *q_sum = sf_cu_block_fsum(qs);
+    __syncthreads();
+    uint64_t part = 0;
+    for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
+    return sf_cu_block_sum(part);
+}
+
+/* Radix select: the smallest rank key K of a candidate such that the
+ * candidates with keys <= K weigh enough: count >= k (mode 0, candidates: the
+ * finite logits) or (double) mass >= top_p * total mass (mode 1, candidates:
+ * finite logits above the current cut, mass floor(e * 2^40)). Returns false
+ * when no key qualifies (fewer than k candidates). */
+template <int DT>
+__device__ bool sf_cu_select(const sf_cu_row &r, const void *row, int64_t n, bool al,
+                             int mode, int64_t k, float top_p, uint64_t *out_key) {
+    __shared__ uint32_t hc[256];
+    __shared__ unsigned long long hm[256];
+    __shared__ uint64_t s_prefix, s_mask, s_base_c, s_base_m;
+    __shared__ double s_goal;
+    __shared__ int s_state; /* 0 go on, 1 one candidate left, 2 done, 3 none */
+    const int shifts[7] = {56, 48, 40, 32, 16, 8, 0};
+    if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_base_c = 0; s_base_m = 0; }
+    for (int si = 0; si < 7; si++) {
+        const int shift = shifts[si];
+        for (int i = threadIdx.x; i < 256; i += SF_CU_THREADS) { hc[i] = 0; hm[i] = 0; }
+        __syncthreads();
+        const uint64_t prefix = s_prefix, mask = s_mask;
+        int ld = -1;
+        uint32_t lc = 0;
+        uint64_t lm = 0;
+        for (int64_t i0 = (int64_t)threadIdx.x * 8; i0 < n; i0 += SF_CU_TILE) {
+            float x[8];
+            sf_cu_load8<DT>(row, i0, n, al, x);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int64_t v = i0 + j;
+                if (v >= n || !(x[j] > -INFINITY)) continue;
+                if (mode && !sf_cu_above_cut(r, x[j], v)) continue;
+                const uint64_t key = sf_cu_rank_key(x[j], v);
+                if ((key & mask) != prefix) continue;
+                const int dg = (int)((key >> shift) & 255);
+                if (dg != ld) {
+                    if (ld >= 0) {
+                        atomicAdd(&hc[ld], lc);
+                        if (mode) atomicAdd(&hm[ld], (unsigned long long)lm);
+                    }
+                    ld = dg; lc = 0; lm = 0;
+                }
+                lc++;
+                if (mode) lm += sf_cu_fixed(sf_cu_row_e(r, x[j]));
+            }
+        }
+        if (ld >= 0) {
+            atomicAdd(&hc[ld], lc);
+            if (mode) atomicAdd(&hm[ld], (unsigned long long)lm);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            if (si == 0 && mode) {
+                uint64_t total = 0;
+                for (int i = 0; i < 256; i++) total += hm[i];
+                s_goal = (double)top_p * (double)total;
+            }
+            uint64_t cc = s_base_c, cm = s_base_m;
+            int chosen = -1;
+            for (int i = 0; i < 256; i++) {
+                uint64_t nc = cc + hc[i], nm = cm + hm[i];
+                bool ok = mode ? (double)nm >= s_goal : nc >= (uint64_t)k;
+                if (ok) { chosen = i; break; }
+                cc = nc;
+                cm = nm;
+            }
+            if (chosen < 0) {
+                s_state = 3;
+            } else {
+                s_base_c = cc;
+                s_base_m = cm;
+                s_prefix |= (uint64_t)chosen << shift;
+                s_mask |= (uint64_t)255 << shift;
+                s_state = hc[chosen] == 1 ? 1 : si == 6 ? 2 : 0;
+            }
+        }
+        __syncthreads();
+        const int state = s_state;
+        if (state == 3) return false;
+        if (state == 2) { *out_key = s_prefix; return true; }
+        if (state == 1) break;
+    }
+    /* One candidate matches the prefix: find it. */
+    const uint64_t prefix = s_prefix, mask = s_mask;
+    uint64_t found = UINT64_MAX;
+    for (int64_t i0 = (int64_t)threadIdx.x * 8; i0 < n; i0 += SF_CU_TILE) {
+        float x[8];
+        sf_cu_load8<DT>(row, i0, n, al, x);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int64_t v = i0 + j;
+            if (v >= n || !(x[j] > -INFINITY)) continue;
+            if (mode && !sf_cu_above_cut(r, x[j], v)) continue;
+            const uint64_t key = sf_cu_rank_key(x[j], v);
+            if ((key & mask) == prefix && key < found) found = key;
+        }
+    }
+    *out_key = sf_cu_block_min64(found);
+    return true;
+}
+
+/* sf_dist_prepare without the mass: max, inverse temperature, top-k, top-p
+ * and min-p cuts into d.r; resets the weights source. Returns a status. */
+template <int DT>
+__device__ int sf_cu_prepare(sf_cu_dist &d, const void *row, int64_t n, bool al,
+                             const sf_cu_params_row &p) {
+    float m;
+    int32_t amax;
+    int bad;
+    sf_cu_pass_max<DT>(row, n, al, &m, &amax, &bad);
+    if (bad) return SF_ERR_LOGITS;
+    if (m == -INFINITY) return SF_ERR_ALL_MASKED;
+    if (threadIdx.x == 0) {
+        d.r.max = m;
+        d.r.inv_t = 1.0f / p.temperature;
+        d.r.c = SF_FMUL(d.r.inv_t, SF_LOG2E);
+        d.r.cut_logit = -INFINITY;
+        d.r.cut_id = INT32_MAX;
+        d.r.min_e = 0.0f;
+        d.base = NULL;
+        d.scale = 1.0f;
+        d.q = NULL;
+        d.total = 0;
+        d.n_over = 0;
+        d.resid_next = 0;
+    }
+    __syncthreads();
+    uint64_t key;
+    if (p.top_k > 0 && p.top_k < n) {
+        sf_cu_row r = d.r;
+        if (sf_cu_select<DT>(r, row, n, al, 0, p.top_k, 0.0f, &key) && threadIdx.x == 0) {
+            d.r.cut_logit = sf_cu_key_logit(key);
+            d.r.cut_id = (int32_t)(uint32_t)key;
+        }
+        __syncthreads();
+    }
+    if (p.top_p < 1.0f) {
+        sf_cu_row r = d.r;
+        if (sf_cu_select<DT>(r, row, n, al, 1, 0, p.top_p, &key) && threadIdx.x == 0) {
+            d.r.cut_logit = sf_cu_key_logit(key);
+            d.r.cut_id = (int32_t)(uint32_t)key;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) d.r.min_e = p.min_p;
+    __syncthreads();
+    return SF_OK;
+}
+
+/* Gumbel-max over the kept tokens (coupled_argmax of kernels_impl.h). Thread
+ * item g = 16 s + lane holds tokens 64 s + 16 c + lane, c = 0..3: the four
+ * words of one Philox call. */
+template <int DT>
+__device__ int32_t sf_cu_coupled(const sf_cu_row &r, const void *row, int64_t n,
+                                 uint64_t seed, int64_t position) {
+    sf_cu_best best = {-INFINITY, -1};
+    const int64_t items = (n + 63) / 64 * 16;
+    const bool minp = r.min_e > 0.0f;
+    for (int64_t g = threadIdx.x; g < items; g += SF_CU_THREADS) {
+        const int64_t s = g >> 4, lane = g & 15;
+        float x[4];
+        bool keep[4], any = false;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int64_t v = 64 * s + 16 * c + lane;
+            x[c] = v < n ? sf_cu_load1<DT>(row, v) : -INFINITY;
+            keep[c] = sf_cu_above_cut(r, x[c], v);
+            if (minp) keep[c] = keep[c] && sf_cu_row_e(r, x[c]) >= r.min_e;
+            any |= keep[c];
+        }
+        if (!any) continue;
+        const sf_u32x4 w = sf_philox(seed, position, SF_PURPOSE_NOISE, (uint32_t)g);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            if (!keep[c]) continue;
+            const float key = SF_FADD(SF_FMUL(SF_FSUB(x[c], r.max), r.inv_t), sf_gumbel(w.v[c]));
+            sf_cu_best cand = {key, (int32_t)(64 * s + 16 * c + lane)};
+            best = sf_cu_better(best, cand);
+        }
+    }
+    return sf_cu_block_best(best).id;
+}
+
+/* Overrides of one request's current row (one-hot / sparse rejections). */
+struct sf_cu_over {
+    int32_t *id;
+    uint64_t *w;
+};
+
+/* A token's weight under d, overrides first (dist.c's weight); one thread. */
+template <int DT>
+__device__ uint64_t sf_cu_weight_at(const sf_cu_dist &d, const sf_cu_over &ov,
+                                    const void *row, int64_t v) {
+    for (int i = d.n_over - 1; i >= 0; i--)
+        if (ov.id[i] == v) return ov.w[i];
+    float b = d.base ? d.base[v] : sf_cu_row_base(d.r, sf_cu_load1<DT>(row, v), v);
+    return sf_cu_fixed(sf_cu_resid(b, d.scale, d.q ? d.q[v] : 0.0f));
+}
+
+/* Inverse-CDF draw from d (sf_dist_draw): the first token whose inclusive
+ * prefix of weights exceeds floor(bits53 * total / 2^53). */
+template <int DT>
+__device__ int32_t sf_cu_draw(const sf_cu_dist &d, const sf_cu_over &ov, const void *row,
+                              int64_t n, bool al, const uint64_t *tiles, int ntiles,
+                              uint64_t seed, int64_t position) {
+    __shared__ int s_tile;
+    __shared__ uint64_t s_cum, s_target;
+    __shared__ int32_t s_tok;
+    if (threadIdx.x == 0) {
+        uint64_t target = sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d.total);
+        uint64_t cum = 0;
+        int t = 0;
+        while (t < ntiles - 1 && cum + tiles[t] <= target) cum += tiles[t++];
+        s_tile = t;
+        s_cum = cum;
+        s_target = target;
+        s_tok = -1;
+    }
+    __syncthreads();
+    const int64_t i0 = (int64_t)s_tile * SF_CU_TILE + threadIdx.x * 8;
+    const uint64_t target = s_target;
+    sf_cu_in in = {d.base, d.scale, d.q};
+    float rr[8];
+    bool rq;
+    sf_cu_weights8<DT>(d.r, row, n, al, in, sf_cu_cut_active(d.r) && !d.base, i0, rr, &rq);
+    uint64_t w[8], s = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) w[j] = i0 + j < n ? sf_cu_fixed(rr[j]) : 0;
+    for (int i = 0; i < d.n_over; i++) {
+        const int64_t id = ov.id[i];
+        if (id >= i0 && id < i0 + 8) w[id - i0] = ov.w[i];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) s += w[j];
+    int32_t last = -1;
+#pragma unroll
+    for (int j = 0; j < 8; j++) if (w[j]) last = (int32_t)(i0 + j);
+    const uint64_t ex = s_cum + sf_cu_block_exscan(s);
+    if (s > 0 && target >= ex && target - ex < s) {
+        uint64_t c = ex;
+        for (int j = 0; j < 8; j++) {
+            if (!w[j]) continue;
+            c += w[j];
+            if (c > target) { s_tok = (int32_t)(i0 + j); break; }
+        }
+    }
+    /* Unreachable fallback (the sums are exact): the last weighted token. */
+    sf_cu_best lb = {(float)last, last};
+    lb = sf_cu_block_best(lb);
+    return s_tok >= 0 ? s_tok : lb.id;
+}
+
+/* ---- verify ---- */
+
+template <int DT>
+__device__ int sf_cu_reject_dense(sf_cu_dist &d, const void *row, int64_t n, bool al,
+                                  const float *q, float *resid2, bool more,
+                                  uint64_t *tiles, int ntiles) {
+    const sf_cu_in old = {d.base, d.scale, d.q};
+    const sf_cu_in in = {d.base, (float)(1099511627776.0 / (double)d.total), q};
+    float *out = more ? resid2 + (int64_t)d.resid_next * n : NULL;
+    int q_bad;
+    float q_sum;
+    const sf_cu_row r = d.r;
+    uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in, out, tiles, ntiles, &q_bad, &q_sum);
+    const float qs = sf_cu_cut_active(r) && !in.base ? NAN : q_sum;
+    if (q_bad || fabsf(qs - 1.0f) > 1e-3f) return SF_ERR_DRAFT_PROBS;
+    if (total == 0) {
+        /* p <= q everywhere (p == q up to rounding): keep p. */
+        sf_cu_pass_weights<DT>(r, row, n, al, old, NULL, tiles, ntiles, NULL, NULL);
+        return SF_OK;
+    }
+    if (threadIdx.x == 0) {
+        d.total = total;
+        if (more) {
+            d.base = out;
+            d.scale = 1.0f;
+            d.q = NULL;
+            d.resid_next ^= 1;
+        } else {
+            d.scale = in.scale;
+            d.q = q;
+        }
+    }
+    __syncthreads();
+    return SF_OK;
+}
+
+/* sf_dist_reject_sparse, on thread 0. */
+template <int DT>
+__device__ void sf_cu_reject_sparse(sf_cu_dist &d, const sf_cu_over &ov, const void *row,
+                                    const int32_t *ids, const float *probs, int64_t k,
+                                    uint64_t *tiles) {
+    const double z = (double)d.total;
+    uint64_t total = d.total;
+    int m = 0;
+    for (int64_t i = 0; i < k; i++) {
+        if (ids[i] < 0) continue;
+        uint64_t w = sf_cu_weight_at<DT>(d, ov, row, ids[i]);
+        uint64_t sub = (uint64_t)((double)probs[i] * z);
+        uint64_t nw = w > sub ? w - sub : 0;
+        total = total - w + nw;
+        ov.id[d.n_over + m] = ids[i];
+        ov.w[d.n_over + m] = nw;
+        m++;
+    }
+    if (total == 0) return;
+    for (int i = 0; i < m; i++) {
+        int32_t id = ov.id[d.n_over];
+        uint64_t old = sf_cu_weight_at<DT>(d, ov, row, id);
+        tiles[id / SF_CU_TILE] += ov.w[d.n_over] - old;
+        d.n_over++;
+    }
+    d.total = total;
+}
+
+/* The draft checks of verify.c's check_draft for one node: 0 or a status. */
+__device__ int sf_cu_check_node(const sf_cu_verify_args &a, int64_t node, int64_t local) {
+    const int32_t t = a.tokens[node];
+    if (t < 0 || t >= a.vocab) return SF_ERR_TOKEN;
+    if (a.parents && (a.parents[node] < -1 || a.parents[node] >= local)) return SF_ERR_PARENT;
+    if (a.kind != SF_DRAFT_SPARSE) return 0;
+    const int32_t *ids = a.sparse_ids + node * a.sparse_k;
+    const float *pr = a.sparse_probs + node * a.sparse_k;
+    double sum = 0.0;
+    for (int64_t i = 0; i < a.sparse_k; i++) {
+        if (ids[i] < -1 || ids[i] >= a.vocab || !(pr[i] >= 0.0f && pr[i] <= 1.001f) ||
+            (ids[i] == -1 && pr[i] != 0.0f))
+            return SF_ERR_DRAFT_PROBS;
+        for (int64_t z = 0; z < i && ids[i] >= 0; z++)
+            if (ids[z] == ids[i]) return SF_ERR_DRAFT_PROBS;
+        sum += pr[i];
+    }
+    if (!(fabs(sum - 1.0) <= 1e-3)) return SF_ERR_DRAFT_PROBS;
+    return 0;
+}
+
+__device__ float sf_cu_draft_prob(const sf_cu_verify_args &a, int64_t node, int32_t x) {
+    if (a.kind == SF_DRAFT_DENSE) return a.dense[node * a.vocab + x];
+    if (a.kind == SF_DRAFT_SPARSE) {
+        for (int64_t i = 0; i < a.sparse_k; i++)
+            if (a.sparse_ids[node * a.sparse_k + i] == x)
+                return a.sparse_probs[node * a.sparse_k + i];
+        return 0.0f;
+    }
+    return 1.0f;
+}
+
+template <int DT>
+__global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_verify_kernel(sf_cu_verify_args a) {
+    extern __shared__ uint64_t tiles[];
+    __shared__ sf_cu_dist d;
+    __shared__ int32_t first[SF_MAX_DRAFT + 1], next[SF_MAX_DRAFT];
+    __shared__ int s_flag;
+    const int64_t b = blockIdx.x;
+    const int64_t n = a.vocab, width = a.max_draft + 1;
+    const int ntiles = (int)((n + SF_CU_TILE - 1) / SF_CU_TILE);
+    int32_t *out_tok = a.out_tokens + b * width;
+    int32_t *out_nodes = a.out_nodes ? a.out_nodes + b * a.max_draft : NULL;
+    for (int64_t i = threadIdx.x; i < width; i += SF_CU_THREADS) out_tok[i] = -1;
+    if (out_nodes)
+        for (int64_t i = threadIdx.x; i < a.max_draft; i += SF_CU_THREADS) out_nodes[i] = -1;
+
+    /* Node offset of this request, and whether any num_draft before it is bad. */
+    int64_t acc = 0;
+    int bad = 0;
+    for (int64_t i = threadIdx.x; i < b; i += SF_CU_THREADS) {
+        const int32_t v = a.num_draft[i];
+        acc += v;
+        bad |= v < 0 || v > SF_MAX_DRAFT || v > a.max_draft;
+    }
+    const int64_t node0 = (int64_t)sf_cu_block_sum((uint64_t)acc);
+    bad = __syncthreads_or(bad);
+    const int32_t nd = a.num_draft[b];
+    sf_cu_params_row p = sf_cu_get_params(a.params, b);
+    int32_t err = 0;
+    if (!sf_cu_params_ok(p)) {
+        err = SF_STATUS(SF_ERR_PARAM, SF_PHASE_PARAMS);
+    } else if (bad || nd < 0 || nd > SF_MAX_DRAFT || nd > a.max_draft || node0 < 0 ||
+               node0 + nd > a.n || (b == a.batch - 1 && node0 + nd != a.n)) {
+        err = SF_STATUS(SF_ERR_SHAPE, SF_PHASE_DRAFT);
+    } else {
+        uint64_t worst = UINT64_MAX;
+        for (int64_t i = threadIdx.x; i < nd; i += SF_CU_THREADS) {
+            int code = sf_cu_check_node(a, node0 + i, i);
+            if (code) worst = min(worst, (uint64_t)i << 8 | (uint64_t)code);
+        }
+        worst = sf_cu_block_min64(worst);
+        if (worst != UINT64_MAX) err = SF_STATUS((int)(worst & 255), SF_PHASE_DRAFT);
+    }
+    if (err) {
+        if (threadIdx.x == 0) { a.status[b] = err; a.out_acc[b] = 0; }
+        return;
+    }
+
+    const int32_t *tok = a.tokens + node0;
+    if (threadIdx.x == 0) {
+        for (int32_t i = 0; i <= nd; i++) first[i] = -1;
+        for (int32_t i = nd - 1; i >= 0; i--) {
+            int32_t parent = a.parents ? a.parents[node0 + i] : i - 1;
+            next[i] = first[parent + 1];
+            first[parent + 1] = i;
+        }
+    }
+    __syncthreads();
+    const int64_t k_over = a.kind == SF_DRAFT_SPARSE ? a.sparse_k : 1;
+    const sf_cu_over ov = {a.over_id ? a.over_id + node0 * k_over : NULL,
+                           a.over_w ? a.over_w + node0 * k_over : NULL};
+    float *resid2 = a.resid ? a.resid + b * 2 * n : NULL;
+    const int64_t row0 = node0 + b;
+    const size_t esize = DT == SF_F32 ? 4 : 2;
+
+    int32_t cur = -1, depth = 0;
+    int st = SF_OK;
+    for (;;) {
+        const void *row = (const char *)a.logits + (size_t)((row0 + cur + 1) * a.row_stride) * esize;
+        const bool al = sf_cu_aligned(row);
+        const int64_t pos = p.position + depth;
+        int32_t accepted = -1, emit = -1;
+        if (p.temperature == 0.0f || a.method == SF_COUPLED) {
+            if (p.temperature == 0.0f) {
+                float m;
+                int bad_row;
+                sf_cu_pass_max<DT>(row, n, al, &m, &emit, &bad_row);
+                st = bad_row ? SF_ERR_LOGITS : m == -INFINITY ? SF_ERR_ALL_MASKED : SF_OK;
+            } else {
+                st = sf_cu_prepare<DT>(d, row, n, al, p);
+                if (st == SF_OK) emit = sf_cu_coupled<DT>(d.r, row, n, p.seed, pos);
+            }
+            if (st != SF_OK) break;
+            for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch])
+                if (tok[ch] == emit) { accepted = ch; break; }
+        } else {
+            st = sf_cu_prepare<DT>(d, row, n, al, p);
+            if (st != SF_OK) break;
+            const sf_cu_row r = d.r;
+            const sf_cu_in in0 = {NULL, 1.0f, NULL};
+            uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in0, NULL, tiles, ntiles, NULL, NULL);
+            if (threadIdx.x == 0) d.total = total;
+            __syncthreads();
+            uint32_t j = 0;
+            for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch], j++) {
+                const int64_t node = node0 + ch;
+                const int32_t x = tok[ch];
+                if (threadIdx.x == 0) {
+                    float qx = sf_cu_draft_prob(a, node, x);
+                    int flag;
+                    if (!(qx >= 0.0f && qx <= 1.001f)) {
+                        flag = -1;
+                    } else {
+                        double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
+                        double px = (double)sf_cu_weight_at<DT>(d, ov, row, x) / (double)d.total;
+                        flag = qx > 0.0f && u * (double)qx < px;
+                    }
+                    s_flag = flag;
+                }
+                __syncthreads();
+                const int flag = s_flag;
+                __syncthreads();
+                if (flag < 0) { st = SF_ERR_DRAFT_PROBS; break; }
+                if (flag) { accepted = ch; break; }
+                if (a.kind == SF_DRAFT_DENSE) {
+                    st = sf_cu_reject_dense<DT>(d, row, n, al, a.dense + node * n, resid2,
+                                                next[ch] >= 0, tiles, ntiles);
+                    if (st != SF_OK) break;
+                } else {
+                    if (threadIdx.x == 0) {
+                        const float one = 1.0f;
+                        if (a.kind == SF_DRAFT_SPARSE)
+                            sf_cu_reject_sparse<DT>(d, ov, row, a.sparse_ids + node * a.sparse_k,
+                                                    a.sparse_probs + node * a.sparse_k,
+                                                    a.sparse_k, tiles);
+                        else
+                            sf_cu_reject_sparse<DT>(d, ov, row, &x, &one, 1, tiles);
+                    }
+                    __syncthreads();
+                }
+            }
+            if (st != SF_OK) break;
+            if (accepted < 0)
+                emit = sf_cu_draw<DT>(d, ov, row, n, al, tiles, ntiles, p.seed, pos);
+        }
+        if (accepted < 0) {
+            if (threadIdx.x == 0) out_tok[depth] = emit;
+            break;
+        }
+        if (threadIdx.x == 0) {
+            out_tok[depth] = tok[accepted];
+            if (out_nodes) out_nodes[depth] = accepted;
+        }
+        depth++;
+        cur = accepted;
+    }
+    __syncthreads();
+    if (st != SF_OK) {
+        for (int64_t i = threadIdx.x; i < width; i += SF_CU_THREADS) out_tok[i] = -1;
+        if (out_nodes)
+            for (int64_t i = threadIdx.x; i < a.max_draft; i += SF_CU_THREADS) out_nodes[i] = -1;
+        depth = 0;
+    }
+    if (threadIdx.x == 0) {
+        a.out_acc[b] = depth;
+        a.status[b] = st == SF_OK ? 0 : SF_STATUS(st, SF_PHASE_RUN);
+    }
+}
+
+/* ---- sample and probs: one block per row ---- */
+
+template <int DT>
+__global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_args a) {
+    extern __shared__ uint64_t tiles[];
+    __shared__ sf_cu_dist d;
+    const int64_t b = blockIdx.x, n = a.vocab;
+    const int ntiles = (int)((n + SF_CU_TILE - 1) / SF_CU_TILE);
+    const void *row = (const char *)a.logits +
+                      (size_t)(b * a.row_stride) * (size_t)(DT == SF_F32 ? 4 : 2);
+    const bool al = sf_cu_aligned(row);
+    float *out = a.probs ? a.probs + b * n : NULL;
+    sf_cu_params_row p = sf_cu_get_params(a.params, b);
+    int32_t err = 0, tok = -1;
+    if (!sf_cu_params_ok(p)) {
+        err = SF_STATUS(SF_ERR_PARAM, SF_PHASE_PARAMS);
+    } else if (p.temperature == 0.0f) {
+        float m;
+        int bad;
+        sf_cu_pass_max<DT>(row, n, al, &m, &tok, &bad);
+        int st = bad ? SF_ERR_LOGITS : m == -INFINITY ? SF_ERR_ALL_MASKED : SF_OK;
+        if (st) err = SF_STATUS(st, SF_PHASE_RUN);
+        if (out && !st) {
+            for (int64_t v = threadIdx.x; v < n; v += SF_CU_THREADS) out[v] = v == tok ? 1.0f : 0.0f;
+        }
+    } else {
+        int st = sf_cu_prepare<DT>(d, row, n, al, p);
+        if (st == SF_OK) {
+            const sf_cu_row r = d.r;
+            if (!out && a.method == SF_COUPLED) {
+                tok = sf_cu_coupled<DT>(r, row, n, p.seed, p.position);
+            } else {
+                const sf_cu_in in0 = {NULL, 1.0f, NULL};
+                uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in0, NULL, tiles, ntiles, NULL, NULL);
+                if (threadIdx.x == 0) d.total = total;
+                __syncthreads();
+                if (out) {
+                    /* sample.c's probs_one: each kept token's e, then its exact weight. */
+                    const double inv = 1.0 / (double)total;
+                    const bool cut = sf_cu_cut_active(r);
+                    for (int t = 0; t < ntiles; t++) {
+                        const int64_t i0 = (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
+                        float rr[8];
+                        bool rq;
+                        sf_cu_weights8<DT>(r, row, n, al, in0, cut, i0, rr, &rq);
+                        for (int j = 0; j < 8 && i0 + j < n; j++)
+                            out[i0 + j] = (float)((double)sf_cu_fixed(rr[j]) * inv);
+                    }
+                } else {
+                    const sf_cu_over ov = {NULL, NULL};
+                    tok = sf_cu_draw<DT>(d, ov, row, n, al, tiles, ntiles, p.seed, p.position);
+                }
+            }
+        }
+        if (st) err = SF_STATUS(st, SF_PHASE_RUN);
+    }
+    if (threadIdx.x == 0) {
+        a.status[b] = err;
+        if (a.tokens) a.tokens[b] = err ? -1 : tok;
+    }
+}
+
+/* ---- host entry points ---- */
+
+static thread_local int sf_cu_last_error = 0;
+
+static sf_status sf_cu_launched(void) {
+    cudaError_t e = cudaGetLastError();
+    sf_cu_last_error = (int)e;
+    return e == cudaSuccess ? SF_OK : SF_ERR_UNSUPPORTED;
+}
+
+static sf_status sf_cu_check_logits(const sf_logits *l) {
+    if (!l || (!l->data && l->rows > 0)) return SF_ERR_ARGUMENT;
+    if (l->dtype != SF_F32 && l->dtype != SF_F16 && l->dtype != SF_BF16) return SF_ERR_ARGUMENT;
+    if (l->vocab < 1 || l->vocab > SF_MAX_VOCAB || l->rows < 0 || l->row_stride < l->vocab)
+        return SF_ERR_SHAPE;
+    return SF_OK;
+}
+
+static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
+    if (!p) return SF_ERR_ARGUMENT;
+    const void *ptr[6] = {p->temperature, p->top_k, p->top_p, p->min_p, p->seed, p->position};
+    const int64_t cnt[6] = {p->n_temperature, p->n_top_k, p->n_top_p, p->n_min_p, p->n_seed,
+                            p->n_position};
+    for (int i = 0; i < 6; i++)
+        if (ptr[i] && cnt[i] != 1 && cnt[i] != batch) return SF_ERR_SHAPE;
+    return SF_OK;
+}
+
+static size_t sf_cu_tiles_bytes(int64_t vocab) {
+    return (size_t)((vocab + SF_CU_TILE - 1) / SF_CU_TILE) * sizeof(uint64_t);
+}
+
+static size_t sf_cu_align16(size_t x) { return (x + 15) & ~(size_t)15; }
+
+/* Workspace layout: over_w (n k_over uint64), over_id (n k_over int32),
+ * resid (batch 2 vocab float, dense trees with rejection only). */
+static void sf_cu_layout(const sf_logits *l, const sf_draft *d, sf_method method,
+                         size_t *w_bytes, size_t *id_bytes, size_t *resid_bytes) {
+    const int64_t k_over = d->kind == SF_DRAFT_SPARSE ? d->sparse_k : 1;
+    const bool over = method == SF_REJECTION && d->kind != SF_DRAFT_DENSE && d->n > 0;
+    *w_bytes = over ? sf_cu_align16((size_t)(d->n * k_over) * 8) : 0;
+    *id_bytes = over ? sf_cu_align16((size_t)(d->n * k_over) * 4) : 0;
+    *resid_bytes = method == SF_REJECTION && d->kind == SF_DRAFT_DENSE && d->parents && d->n > 0
+                       ? (size_t)(d->batch * 2 * l->vocab) * 4 : 0;
+}
+
+extern "C" {
+
+SF_API unsigned sf_cuda_version(void) { return SF_VERSION_NUMBER; }
+
+SF_API int sf_cuda_last_error(void) { return sf_cu_last_error; }
+
+SF_API const char *sf_cuda_error_string(int error) {
+    return cudaGetErrorString((cudaError_t)error);
+}
+
+SF_API int64_t sf_cuda_verify_workspace(const sf_logits *logits, const sf_draft *draft,
+                                        sf_method method) {
+    if (!logits || !draft) return 0;
+    size_t a, b, c;
+    sf_cu_layout(logits, draft, method, &a, &b, &c);
+    return (int64_t)(a + b + c);
+}
+
+SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
+                                const sf_cuda_params *params, sf_method method,
+                                sf_verify_out *out, int32_t *status, void *workspace,
+                                int64_t workspace_bytes, void *stream) {
+    sf_status st = sf_cu_check_logits(logits);
+    if (st != SF_OK) return st;
+    if (!draft || !out || !status || !out->tokens || !out->num_accepted || out->max_draft < 0 ||
+        out->max_draft > SF_MAX_DRAFT || (out->max_draft > 0 && !out->accepted_nodes))
+        return SF_ERR_ARGUMENT;
+    if (method != SF_REJECTION && method != SF_COUPLED) return SF_ERR_ARGUMENT;
+    if (draft->kind != SF_DRAFT_NONE && draft->kind != SF_DRAFT_DENSE &&
+        draft->kind != SF_DRAFT_SPARSE)
+        return SF_ERR_ARGUMENT;
+    if (draft->batch < 0 || draft->batch > SF_MAX_BATCH || draft->n < 0) return SF_ERR_SHAPE;
+    if ((draft->n > 0 && !draft->tokens) || (draft->batch > 0 && !draft->num_draft))
+        return SF_ERR_ARGUMENT;
+    if (draft->n + draft->batch != logits->rows) return SF_ERR_SHAPE;
+    if (draft->kind == SF_DRAFT_DENSE && draft->n > 0 && !draft->dense) return SF_ERR_ARGUMENT;
+    if (draft->kind == SF_DRAFT_SPARSE &&
+        (draft->sparse_k < 1 || (draft->n > 0 && (!draft->sparse_ids || !draft->sparse_probs))))
+        return SF_ERR_ARGUMENT;
+    st = sf_cu_check_params(params, draft->batch);
+    if (st != SF_OK) return st;
+    size_t wb, ib, rb;
+    sf_cu_layout(logits, draft, method, &wb, &ib, &rb);
+    if ((wb + ib + rb) > 0 && (!workspace || workspace_bytes < (int64_t)(wb + ib + rb)))
+        return SF_ERR_ARGUMENT;
+    if (draft->batch == 0) return SF_OK;
+
+    sf_cu_verify_args a;
+    a.logits = logits->data;
+    a.vocab = logits->vocab;
+    a.row_stride = logits->row_stride;
+    a.tokens = draft->tokens;
+    a.n = draft->n;
+    a.num_draft = draft->num_draft;
+    a.batch = draft->batch;
+    a.parents = draft->parents;
+    a.kind = draft->kind;
+    a.dense = draft->dense;
+    a.sparse_ids = draft->sparse_ids;
+    a.sparse_probs = draft->sparse_probs;
+    a.sparse_k = draft->sparse_k;
+    a.params = *params;
+    a.method = method;
+    a.out_tokens = out->tokens;
+    a.out_acc = out->num_accepted;
+    a.out_nodes = out->max_draft > 0 ? out->accepted_nodes : NULL;
+    a.max_draft = out->max_draft;
+    a.status = status;
+    char *ws = (char *)workspace;
+    a.over_w = wb ? (uint64_t *)ws : NULL;
+    a.over_id = ib ? (int32_t *)(ws + wb) : NULL;
+    a.resid = rb ? (float *)(ws + wb + ib) : NULL;
+
+    const size_t shm = sf_cu_tiles_bytes(logits->vocab);
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (logits->dtype) {
+    case SF_F32: sf_cu_verify_kernel<SF_F32><<<(unsigned)draft->batch, SF_CU_THREADS, shm, s>>>(a); break;
+    case SF_F16: sf_cu_verify_kernel<SF_F16><<<(unsigned)draft->batch, SF_CU_THREADS, shm, s>>>(a); break;
+    case SF_BF16: sf_cu_verify_kernel<SF_BF16><<<(unsigned)draft->batch, SF_CU_THREADS, shm, s>>>(a); break;
+    }
+    return sf_cu_launched();
+}
+
+static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *params,
+                            sf_method method, int32_t *tokens, float *probs,
+                            int32_t *status, void *stream) {
+    sf_status st = sf_cu_check_logits(logits);
+    if (st != SF_OK) return st;
+    if (!status || (!tokens && !probs)) return SF_ERR_ARGUMENT;
+    if (method != SF_REJECTION && method != SF_COUPLED) return SF_ERR_ARGUMENT;
+    if (logits->rows > INT32_MAX) return SF_ERR_SHAPE;
+    st = sf_cu_check_params(params, logits->rows);
+    if (st != SF_OK) return st;
+    if (logits->rows == 0) return SF_OK;
+    sf_cu_rows_args a;
+    a.logits = logits->data;
+    a.rows = logits->rows;
+    a.vocab = logits->vocab;
+    a.row_stride = logits->row_stride;
+    a.params = *params;
+    a.method = method;
+    a.tokens = tokens;
+    a.probs = probs;
+    a.status = status;
+    const size_t shm = sf_cu_tiles_bytes(logits->vocab);
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (logits->dtype) {
+    case SF_F32: sf_cu_rows_kernel<SF_F32><<<(unsigned)logits->rows, SF_CU_THREADS, shm, s>>>(a); break;
+    case SF_F16: sf_cu_rows_kernel<SF_F16><<<(unsigned)logits->rows, SF_CU_THREADS, shm, s>>>(a); break;
+    case SF_BF16: sf_cu_rows_kernel<SF_BF16><<<(unsigned)logits->rows, SF_CU_THREADS, shm, s>>>(a); break;
+    }
+    return sf_cu_launched();
+}
+
+SF_API sf_status sf_cuda_sample(const sf_logits *logits, const sf_cuda_params *params,
+                                sf_method method, int32_t *tokens, int32_t *status,
+                                void *stream) {
+    if (!tokens) return SF_ERR_ARGUMENT;
+    return sf_cu_rows(logits, params, method, tokens, NULL, status, stream);
+}
+
+SF_API sf_status sf_cuda_probs(const sf_logits *logits, const sf_cuda_params *params,
+                               float *out, int32_t *status, void *stream) {
+    if (!out) return SF_ERR_ARGUMENT;
+    return sf_cu_rows(logits, params, SF_REJECTION, NULL, out, status, stream);
+}
+
+} /* extern "C" */

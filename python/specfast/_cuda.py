@@ -1,0 +1,429 @@
+"""The CUDA backend: :func:`verify`, :func:`sample` and :func:`probs` on torch CUDA tensors.
+
+``libspecfast_cuda.so`` is loaded (cffi, ABI mode) the first time a CUDA tensor
+arrives, never at import: the CPU package works where there is no GPU, driver or
+CUDA library. The kernels run on ``torch.cuda.current_stream()``, the results stay
+on the device, and nothing here synchronises with the host or copies to it, so the
+calls can be captured in a CUDA graph, provided that
+
+- every array argument is already a CUDA tensor (numpy arrays and CPU tensors are
+  copied to the device, which is allowed but not capturable) and scalar
+  parameters are Python numbers;
+- ``max_draft`` is given when ``num_draft`` is a CUDA tensor (otherwise it is
+  read back with ``num_draft.max()``, a synchronisation);
+- errors are left on the device: a request that fails has ``num_accepted`` 0 and
+  tokens -1, and its status code is in ``out["status"]`` when ``out`` is given.
+  ``check=True`` (or ``SPECFAST_CUDA_CHECK=1``) synchronises and raises the
+  exception the CPU backend would raise.
+
+Outputs are allocated with torch (its caching allocator is graph-safe), or taken
+from ``out``, a dict of preallocated tensors: ``tokens``, ``num_accepted``,
+``accepted_nodes``, ``status`` and ``workspace``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import os
+
+import cffi
+import numpy as np
+
+from ._cdef import CDEF
+from ._lib import VERSION_NUMBER
+
+CUDA_CDEF = """
+typedef struct sf_cuda_params {
+    const float *temperature; int64_t n_temperature; float temperature_value;
+    const int32_t *top_k;     int64_t n_top_k;       int32_t top_k_value;
+    const float *top_p;       int64_t n_top_p;       float top_p_value;
+    const float *min_p;       int64_t n_min_p;       float min_p_value;
+    const uint64_t *seed;     int64_t n_seed;        uint64_t seed_value;
+    const int64_t *position;  int64_t n_position;    int64_t position_value;
+} sf_cuda_params;
+
+int64_t sf_cuda_verify_workspace(const sf_logits *logits, const sf_draft *draft,
+                                 sf_method method);
+sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
+                         const sf_cuda_params *params, sf_method method,
+                         sf_verify_out *out, int32_t *status,
+                         void *workspace, int64_t workspace_bytes, void *stream);
+sf_status sf_cuda_sample(const sf_logits *logits, const sf_cuda_params *params,
+                         sf_method method, int32_t *tokens, int32_t *status, void *stream);
+sf_status sf_cuda_probs(const sf_logits *logits, const sf_cuda_params *params,
+                        float *out, int32_t *status, void *stream);
+unsigned sf_cuda_version(void);
+int sf_cuda_last_error(void);
+const char *sf_cuda_error_string(int error);
+"""
+
+ffi = cffi.FFI()
+ffi.cdef(CDEF + CUDA_CDEF)
+
+_METHODS = {"rejection": 0, "coupled": 1}
+_MAX_VOCAB = 1 << 24
+_PARAM_RULES = (
+    "temperature must be finite and >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1"
+)
+
+
+def _library_path() -> str:
+    override = os.environ.get("SPECFAST_CUDA_LIBRARY")
+    if override:
+        return override
+    return str(importlib.resources.files("specfast") / "libspecfast_cuda.so")
+
+
+@functools.cache
+def lib():
+    """The loaded CUDA library; raises NotImplementedError when this build has none."""
+    path = _library_path()
+    try:
+        handle = ffi.dlopen(path)
+    except OSError as exc:
+        raise NotImplementedError(
+            f"specfast: CUDA tensors need the CUDA backend, which this installation lacks "
+            f"({path!r}: {exc}); reinstall with a CUDA compiler on the PATH, or with "
+            "`pip install . -Ccmake.define.SPECFAST_CUDA=ON`"
+        ) from None
+    found = handle.sf_cuda_version()
+    if found != VERSION_NUMBER:
+        raise ImportError(
+            f"specfast: the CUDA library at {path!r} is version {found}, "
+            f"the Python package expects {VERSION_NUMBER}; reinstall specfast"
+        )
+    return handle
+
+
+def is_cuda(x) -> bool:
+    """Whether ``x`` is a torch tensor on a CUDA device (never imports torch)."""
+    return type(x).__module__.split(".", 1)[0] == "torch" and getattr(x, "is_cuda", False)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _ptr(t):
+    return ffi.cast("void *", t.data_ptr()) if t is not None else ffi.NULL
+
+
+def _on_device(x, dtype, dev, name, ndim=None):
+    """``x`` as a contiguous CUDA tensor of ``dtype`` on ``dev`` (a no-op when it is one)."""
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if dtype in (torch.int32, torch.int64) and t.is_floating_point() and t.numel():
+            raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+        t = t.to(device=dev, dtype=dtype)
+    else:
+        a = np.asarray(x)
+        if dtype in (torch.int32, torch.int64) and a.dtype.kind not in "iu":
+            if not (a.size == 0 and a.dtype.kind == "f"):
+                raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+        if a.dtype.name == "bfloat16":
+            a = a.astype(np.float32)
+        t = torch.as_tensor(a).to(device=dev, dtype=dtype)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    return t.contiguous()
+
+
+def _c_logits(x, name, keep):
+    torch = _torch()
+    codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    code = codes.get(x.dtype)
+    if code is None:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got dtype {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (rows, vocab), got shape {tuple(x.shape)}")
+    x = x.detach()
+    if x.shape[1] and (x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1])):
+        x = x.contiguous()
+    if x.shape[1] < 1 or x.shape[1] > _MAX_VOCAB:
+        raise ValueError(f"{name}: vocab size {x.shape[1]} must be in [1, {_MAX_VOCAB}]")
+    keep.append(x)
+    c = ffi.new("sf_logits *")
+    c.data = _ptr(x)
+    c.dtype, c.rows, c.vocab = code, x.shape[0], x.shape[1]
+    c.row_stride = x.stride(0) if x.shape[0] > 1 else x.shape[1]
+    return c, x
+
+
+def _is_scalar(v):
+    return isinstance(v, (int, float, np.generic)) and not isinstance(v, bool)
+
+
+def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
+    """An sf_cuda_params: Python scalars by value, arrays as device tensors."""
+    torch = _torch()
+    p = ffi.new("sf_cuda_params *")
+    keep.append(p)
+    spec = (("temperature", temperature, torch.float32, "float *"),
+            ("top_k", top_k, torch.int32, "int32_t *"),
+            ("top_p", top_p, torch.float32, "float *"),
+            ("min_p", min_p, torch.float32, "float *"),
+            ("seed", seed, torch.int64, "uint64_t *"),
+            ("position", position, torch.int64, "int64_t *"))
+    for name, value, dtype, ctype in spec:
+        if value is None or isinstance(value, bool):
+            raise TypeError(f"{name} must be a number or an array, got {value!r}")
+        if _is_scalar(value):
+            v = value.item() if isinstance(value, np.generic) else value
+            if name in ("top_k", "seed", "position"):
+                if isinstance(v, float):
+                    if not v.is_integer():
+                        raise TypeError(f"{name} must be an integer, got {value!r}")
+                    v = int(v)
+                lo, hi = {"top_k": (0, 1 << 31), "seed": (0, 1 << 64),
+                          "position": (-(1 << 63), 1 << 63)}[name]
+                if not lo <= v < hi:
+                    raise ValueError(f"{name}={v} is out of range [{lo}, {hi})")
+            setattr(p, name, ffi.NULL)
+            setattr(p, "n_" + name, 1)
+            setattr(p, name + "_value", v)
+            continue
+        if name == "seed" and not isinstance(value, torch.Tensor):
+            a = np.asarray(value)
+            if a.dtype.kind not in "iu":
+                raise TypeError(f"seed must hold integers, got dtype {a.dtype}")
+            if a.dtype.kind == "i" and a.size and a.min() < 0:
+                raise ValueError("seed must be non-negative")
+            value = a.astype(np.uint64).view(np.int64)  # the same 64 bits
+        t = _on_device(value, dtype, dev, name).reshape(-1)
+        if t.numel() not in (1, batch):
+            raise ValueError(
+                f"{name} must be a scalar or have one value per request ({batch}), "
+                f"got shape {tuple(t.shape)}"
+            )
+        keep.append(t)
+        setattr(p, name, ffi.cast(ctype, t.data_ptr()))
+        setattr(p, "n_" + name, t.numel())
+        setattr(p, name + "_value", 0)
+    return p
+
+
+def _stream(dev):
+    return ffi.cast("void *", _torch().cuda.current_stream(dev).cuda_stream)
+
+
+def _launch_error(what):
+    e = lib().sf_cuda_last_error()
+    text = ffi.string(lib().sf_cuda_error_string(e)).decode()
+    raise RuntimeError(f"{what}: the CUDA kernel did not launch ({text})")
+
+
+def _raise_host(status, what, params):
+    from ._lib import check
+
+    if status == 11:  # SF_ERR_UNSUPPORTED: the launch failed
+        _launch_error(what)
+    detail = None
+    if status == 3:
+        detail = f"{_PARAM_RULES}; got " + ", ".join(f"{k}={v!r}" for k, v in params.items())
+    check(status, what, -1, detail)
+
+
+def _raise_device(status, what, params):
+    """Synchronises, then raises for the lowest (phase, index) failed request."""
+    from ._lib import check
+
+    s = status.cpu().numpy().astype(np.int64)
+    bad = np.flatnonzero(s)
+    if not bad.size:
+        return
+    order = (s[bad] >> 8) * (1 << 40) + bad
+    index = int(bad[np.argmin(order)])
+    code = int(s[index] & 255)
+    detail = None
+    if code == 3:
+        shown = []
+        for k, v in params.items():
+            vv = v.reshape(-1).cpu().numpy() if hasattr(v, "reshape") else np.asarray(v).reshape(-1)
+            shown.append(f"{k}={vv[0 if vv.size == 1 else index]!r}")
+        detail = f"{_PARAM_RULES}; got " + ", ".join(shown)
+    # Shape errors concern the whole call on the CPU backend.
+    check(code, what, -1 if code == 2 else index, detail)
+
+
+def _want_check(check):
+    if check is None:
+        return os.environ.get("SPECFAST_CUDA_CHECK", "") not in ("", "0")
+    return bool(check)
+
+
+def _method(method):
+    code = _METHODS.get(method)
+    if code is None:
+        raise ValueError(f"method must be 'rejection' or 'coupled', got {method!r}")
+    return code
+
+
+def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=None,
+           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0,
+           method="rejection", max_draft=None, check=None, out=None):
+    """:func:`specfast.verify` on a CUDA tensor: same arguments, same tokens.
+
+    ``draft_probs`` may also be a pair ``(ids, values)`` of CUDA tensors for sparse
+    drafts (a :class:`specfast.SparseProbs` holds numpy arrays, copied here).
+    ``max_draft``: the width of the outputs minus one, needed without a
+    synchronisation when ``num_draft`` is a CUDA tensor. Returns a
+    :class:`specfast.VerifyResult` of CUDA tensors.
+    """
+    from ._api import SparseProbs, VerifyResult
+
+    torch = _torch()
+    m = _method(method)
+    dev = target_logits.device
+    keep = []
+    cl, logits = _c_logits(target_logits, "target_logits", keep)
+    vocab = logits.shape[1]
+    tokens = _on_device(draft_tokens, torch.int32, dev, "draft_tokens", 1)
+    if is_cuda(num_draft):
+        nd = _on_device(num_draft, torch.int32, dev, "num_draft", 1)
+        if max_draft is None:
+            max_draft = int(nd.max()) if nd.numel() else 0  # synchronises
+    else:
+        nd_host = np.asarray(num_draft.cpu() if hasattr(num_draft, "cpu") else num_draft)
+        if nd_host.ndim != 1:
+            raise ValueError(f"num_draft must be 1-D, got shape {nd_host.shape}")
+        if nd_host.dtype.kind not in "iu" and nd_host.size:
+            raise TypeError(f"num_draft must hold integers, got dtype {nd_host.dtype}")
+        if nd_host.size and nd_host.min() < 0:
+            raise ValueError("num_draft must be >= 0")
+        if int(nd_host.sum()) != tokens.shape[0]:
+            raise ValueError(
+                f"sum(num_draft) = {int(nd_host.sum())} but draft_tokens has "
+                f"{tokens.shape[0]} entries"
+            )
+        if max_draft is None:
+            max_draft = int(nd_host.max()) if nd_host.size else 0
+        nd = _on_device(nd_host, torch.int32, dev, "num_draft", 1)
+    batch, n = nd.shape[0], tokens.shape[0]
+    if logits.shape[0] != n + batch:
+        raise ValueError(
+            f"target_logits has {logits.shape[0]} rows; sum(num_draft + 1) = {n + batch} needed"
+        )
+    keep += [tokens, nd]
+    d = ffi.new("sf_draft *")
+    d.tokens, d.n, d.num_draft, d.batch = _ptr(tokens), n, _ptr(nd), batch
+    if parents is not None:
+        par = _on_device(parents, torch.int32, dev, "parents", 1)
+        if par.shape[0] != n:
+            raise ValueError(f"parents has {par.shape[0]} entries, draft_tokens has {n}")
+        keep.append(par)
+        d.parents = _ptr(par)
+    if draft_probs is None:
+        d.kind = 0
+    elif isinstance(draft_probs, (SparseProbs, tuple)):
+        ids, vals = ((draft_probs.indices, draft_probs.values)
+                     if isinstance(draft_probs, SparseProbs) else draft_probs)
+        ids = _on_device(ids, torch.int32, dev, "SparseProbs indices", 2)
+        vals = _on_device(vals, torch.float32, dev, "SparseProbs values", 2)
+        if ids.shape != vals.shape or ids.shape[0] != n or ids.shape[1] < 1:
+            raise ValueError(
+                f"sparse draft_probs must be two ({n}, K) arrays, got {tuple(ids.shape)} "
+                f"and {tuple(vals.shape)}"
+            )
+        keep += [ids, vals]
+        d.kind, d.sparse_k = 2, ids.shape[1]
+        d.sparse_ids, d.sparse_probs = _ptr(ids), _ptr(vals)
+    else:
+        q = _on_device(draft_probs, torch.float32, dev, "draft_probs", 2)
+        if tuple(q.shape) != (n, vocab):
+            raise ValueError(f"draft_probs must have shape ({n}, {vocab}), got {tuple(q.shape)}")
+        keep.append(q)
+        d.kind, d.dense = 1, _ptr(q)
+    pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    params = _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position)
+    out = dict(out or {})
+    width = max_draft + 1
+    o_tok = out.get("tokens")
+    if o_tok is None:
+        o_tok = torch.empty((batch, width), dtype=torch.int32, device=dev)
+    o_acc = out.get("num_accepted")
+    if o_acc is None:
+        o_acc = torch.empty(batch, dtype=torch.int32, device=dev)
+    o_nodes = out.get("accepted_nodes")
+    if o_nodes is None:
+        o_nodes = torch.empty((batch, max_draft), dtype=torch.int32, device=dev)
+    status = out.get("status")
+    if status is None:
+        status = torch.empty(batch, dtype=torch.int32, device=dev)
+    if (tuple(o_tok.shape) != (batch, width) or tuple(o_acc.shape) != (batch,)
+            or tuple(o_nodes.shape) != (batch, max_draft) or tuple(status.shape) != (batch,)):
+        raise ValueError("out: tensors of the wrong shape")
+    vo = ffi.new("sf_verify_out *")
+    vo.tokens = ffi.cast("int32_t *", o_tok.data_ptr())
+    vo.num_accepted = ffi.cast("int32_t *", o_acc.data_ptr())
+    vo.accepted_nodes = ffi.cast("int32_t *", o_nodes.data_ptr()) if max_draft else ffi.NULL
+    vo.max_draft = max_draft
+    need = lib().sf_cuda_verify_workspace(cl, d, m)
+    ws = out.get("workspace")
+    if need and (ws is None or ws.numel() * ws.element_size() < need):
+        ws = torch.empty(need, dtype=torch.uint8, device=dev)
+    with torch.cuda.device(dev):
+        st = lib().sf_cuda_verify(cl, d, params, m, vo, ffi.cast("int32_t *", status.data_ptr()),
+                                  _ptr(ws) if need else ffi.NULL, need, _stream(dev))
+    if st:
+        _raise_host(st, "specfast.verify", pvals)
+    if _want_check(check):
+        _raise_device(status, "specfast.verify", pvals)
+    return VerifyResult(o_tok, o_acc, o_nodes)
+
+
+def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0,
+           method="rejection", check=None, out=None):
+    """:func:`specfast.sample` on a CUDA tensor; returns ``(rows,)`` int32 on the device."""
+    torch = _torch()
+    m = _method(method)
+    dev = logits.device
+    keep = []
+    cl, x = _c_logits(logits, "logits", keep)
+    rows = x.shape[0]
+    pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position)
+    out = dict(out or {})
+    tokens = out.get("tokens")
+    if tokens is None:
+        tokens = torch.empty(rows, dtype=torch.int32, device=dev)
+    status = out.get("status")
+    if status is None:
+        status = torch.empty(rows, dtype=torch.int32, device=dev)
+    with torch.cuda.device(dev):
+        st = lib().sf_cuda_sample(cl, params, m, ffi.cast("int32_t *", tokens.data_ptr()),
+                                  ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
+    if st:
+        _raise_host(st, "specfast.sample", pvals)
+    if _want_check(check):
+        _raise_device(status, "specfast.sample", pvals)
+    return tokens
+
+
+def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, check=None, out=None):
+    """:func:`specfast.probs` on a CUDA tensor; returns ``(rows, V)`` float32 on the device."""
+    torch = _torch()
+    dev = logits.device
+    keep = []
+    cl, x = _c_logits(logits, "logits", keep)
+    rows = x.shape[0]
+    pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, 0, 0)
+    out = dict(out or {})
+    result = out.get("probs")
+    if result is None:
+        result = torch.empty(tuple(x.shape), dtype=torch.float32, device=dev)
+    status = out.get("status")
+    if status is None:
+        status = torch.empty(rows, dtype=torch.int32, device=dev)
+    with torch.cuda.device(dev):
+        st = lib().sf_cuda_probs(cl, params, ffi.cast("float *", result.data_ptr()),
+                                 ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
+    if st:
+        _raise_host(st, "specfast.probs", pvals)
+    if _want_check(check):
+        _raise_device(status, "specfast.probs", pvals)
+    return result

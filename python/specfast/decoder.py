@@ -1,0 +1,544 @@
+"""The speculative decoding loop: draft, one target forward, one verify, roll back.
+
+Every step, for the whole batch of live requests:
+
+1. choose a draft length k per request (:class:`DraftLength`);
+2. the drafter proposes up to k tokens per request;
+3. the target runs once over ``[last token] + drafts`` of every request;
+4. :func:`specfast.verify` runs once over the ragged batch, with each
+   request's absolute position, so coupled mode reproduces plain coupled
+   sampling token by token;
+5. each request appends what it accepted plus the corrected/bonus token, and
+   its KV caches (target and drafter) roll back past what was rejected.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _api
+from .drafters import Draft, Drafter, Sampling
+
+
+# -- metrics ------------------------------------------------------------------
+@dataclass
+class Metrics:
+    """What one generation did, as llama.cpp's server reports it, and more.
+
+    Times are seconds of wall clock; in a batch they are shared by its requests
+    (a request's ``t_*`` are the batch's while it was live).
+    """
+
+    prompt_tokens: int = 0
+    tokens: int = 0  # generated tokens
+    draft_n: int = 0  # drafted tokens sent to verification
+    draft_n_accepted: int = 0
+    target_steps: int = 0  # target forwards after the prefill
+    drafted_at: list = field(default_factory=list)  # per draft position: tried
+    accepted_at: list = field(default_factory=list)  # per draft position: accepted
+    k_chosen: dict = field(default_factory=dict)  # draft length -> steps
+    t_prefill: float = 0.0
+    t_draft: float = 0.0
+    t_target: float = 0.0
+    t_verify: float = 0.0
+    t_total: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target step (1 for plain decoding)."""
+        return self.tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list:
+        """P(draft position d accepted | position d was verified)."""
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def t_other(self) -> float:
+        return max(0.0, self.t_total - self.t_prefill - self.t_draft - self.t_target - self.t_verify)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the whole call (prefill included)."""
+        return self.tokens / self.t_total if self.t_total else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second after the prefill."""
+        t = self.t_total - self.t_prefill
+        return self.tokens / t if t > 0 else 0.0
+
+    def _count(self, drafted: int, accepted: int) -> None:
+        self.draft_n += drafted
+        self.draft_n_accepted += accepted
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        # positions 0..min(accepted, drafted-1) were verified; 0..accepted-1 passed
+        for d in range(min(drafted, accepted + 1)):
+            self.drafted_at[d] += 1
+        for d in range(accepted):
+            self.accepted_at[d] += 1
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d.update(acceptance_rate=self.acceptance_rate,
+                 mean_accepted_length=self.mean_accepted_length,
+                 per_position_acceptance=self.per_position_acceptance,
+                 t_other=self.t_other, tokens_per_s=self.tokens_per_s,
+                 decode_tokens_per_s=self.decode_tokens_per_s)
+        return d
+
+    def summary(self) -> str:
+        pos = " ".join(f"{p:.2f}" for p in self.per_position_acceptance[:8])
+        return (f"{self.tokens} tokens in {self.t_total:.2f} s ({self.tokens_per_s:.1f} tok/s), "
+                f"{self.target_steps} target steps ({self.mean_accepted_length:.2f} tok/step), "
+                f"drafted {self.draft_n} accepted {self.draft_n_accepted} "
+                f"({100 * self.acceptance_rate:.0f}%), per position [{pos}]; "
+                f"time: prefill {self.t_prefill:.2f} draft {self.t_draft:.2f} "
+                f"target {self.t_target:.2f} verify {self.t_verify:.2f} other {self.t_other:.2f} s")
+
+
+@dataclass
+class Generation:
+    """One request's result."""
+
+    text: str
+    tokens: list
+    finish_reason: str  # "length", "eos" or "stop"
+    metrics: Metrics
+
+
+# -- draft length ----------------------------------------------------------------
+class DraftLength:
+    """Chooses k per request and step from measured acceptance and costs.
+
+    With per-token acceptance a (a decayed running estimate per request) a
+    step drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens and costs
+    ``target(k + 1) + k * draft + fixed`` seconds, each term measured: the
+    target's forward time per width (a running mean per width, a linear fit
+    for widths not seen yet), the drafter's time per drafted token, and the
+    per-step verify and bookkeeping time. k maximises tokens per second; when
+    that is k = 0 the request decodes plainly and probes a short draft every
+    ``probe_every`` steps, so a request whose text turns copyable (or back)
+    is noticed.
+
+    Parameters
+    ----------
+    fixed : int or None
+        Always draft this many (no adaptation).
+    max_k : int
+        The longest draft considered.
+    """
+
+    def __init__(self, fixed: int | None = None, max_k: int = 10, *, prior: float = 0.6,
+                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 8,
+                 probe_k: int = 2):
+        self.fixed, self.max_k = fixed, max_k
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.probe_every, self.probe_k = probe_every, probe_k
+        self.target_time: dict = {}  # width -> running mean seconds
+        self.draft_time = 0.0  # seconds per drafted token
+        self.fixed_time = 0.0  # verify + other, per step
+        self._req: list = []
+
+    def start(self, batch: int) -> None:
+        self._req = [[self.prior * self.prior_weight, (1 - self.prior) * self.prior_weight, 0]
+                     for _ in range(batch)]
+
+    def select(self, rows) -> None:
+        self._req = [self._req[r] for r in rows]
+
+    def acceptance(self, i: int) -> float:
+        s, f, _ = self._req[i]
+        return s / (s + f)
+
+    def _target(self, width: int) -> float:
+        t = self.target_time
+        if width in t:
+            return t[width]
+        if not t:
+            return 1.0 + 0.1 * (width - 1)  # relative units until measured
+        xs = np.array(sorted(t), float)
+        ys = np.array([t[int(x)] for x in xs])
+        if len(xs) == 1:  # assume the forward grows 8% per extra token (SmolLM2 on a CPU)
+            return ys[0] * (1 + 0.08 * (width - xs[0]))
+        slope, icpt = np.polyfit(xs, ys, 1)
+        return max(icpt + max(slope, 0.0) * width, 1e-6)
+
+    def expected_rate(self, a: float, k: int) -> float:
+        """Tokens per second when drafting k with acceptance a."""
+        a = min(a, 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (self._target(k + 1) + k * self.draft_time + self.fixed_time)
+
+    def choose(self, i: int, limit: int) -> int:
+        if limit <= 0:
+            return 0
+        if self.fixed is not None:
+            return min(self.fixed, limit)
+        a = self.acceptance(i)
+        rates = [self.expected_rate(a, k) for k in range(min(self.max_k, limit) + 1)]
+        k = int(np.argmax(rates))
+        req = self._req[i]
+        if k == 0:
+            req[2] += 1
+            if req[2] >= self.probe_every:
+                req[2] = 0
+                return min(self.probe_k, limit)
+        else:
+            req[2] = 0
+        return k
+
+    def observe(self, i: int, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        req = self._req[i]
+        failed = 1 if accepted < drafted else 0
+        # one Bernoulli trial per verified position: accepted successes, <= 1 failure
+        weight = self.decay ** (accepted + failed)
+        req[0] = req[0] * weight + accepted
+        req[1] = req[1] * weight + failed
+
+    def observe_target(self, width: int, seconds: float) -> None:
+        old = self.target_time.get(width)
+        self.target_time[width] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            per = seconds / tokens
+            self.draft_time = per if self.draft_time == 0 else 0.8 * self.draft_time + 0.2 * per
+
+    def observe_fixed(self, seconds: float) -> None:
+        self.fixed_time = seconds if self.fixed_time == 0 else 0.8 * self.fixed_time + 0.2 * seconds
+
+
+# -- the decoder ---------------------------------------------------------------
+class SpeculativeDecoder:
+    """Speculative decoding of ``target`` with ``drafter``, exact in every mode.
+
+    Parameters
+    ----------
+    target : adapter
+        A model adapter (:class:`specfast.adapters.hf.HFModel`, ...).
+    drafter : Drafter or None
+        None decodes plainly (k = 0), with the same loop and sampling.
+    k : "auto" or int
+        Draft length: adaptive per request, or fixed.
+    max_k : int
+        Longest adaptive draft.
+
+    Examples
+    --------
+    >>> dec = SpeculativeDecoder(target, NgramDrafter())        # doctest: +SKIP
+    >>> out = dec.generate("Rewrite this code ...", max_new_tokens=128)  # doctest: +SKIP
+    >>> out.text, out.metrics.acceptance_rate                   # doctest: +SKIP
+    """
+
+    def __init__(self, target, drafter: Drafter | None = None, *, k="auto", max_k: int = 10,
+                 **controller):
+        self.target = target
+        self.drafter = drafter
+        if drafter is None:
+            k = 0
+        if k != "auto" and (not isinstance(k, int) or k < 0):
+            raise ValueError(f"k must be 'auto' or an int >= 0, got {k!r}")
+        self.controller = DraftLength(None if k == "auto" else k, max_k, **controller)
+        self.last_metrics: Metrics | None = None
+        self._peaks = {"target_kv": 0, "draft_kv": 0}
+        self._shape = (1, 0)
+
+    # -- public ----------------------------------------------------------
+    def generate(self, prompt, max_new_tokens: int = 128, *, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed=0,
+                 method: str = "coupled", stream=None, stop=None, eos: bool = True):
+        """Generates from one prompt (returns a :class:`Generation`) or a list of
+        prompts (returns a list, decoded as one batch).
+
+        Parameters
+        ----------
+        prompt : str, list of chat messages, list of token ids, or a list of these
+        max_new_tokens : int
+        temperature, top_k, top_p, min_p : the target distribution (:func:`specfast.probs`);
+            temperature 0 is greedy
+        seed : int or list of int (one per prompt)
+            Keys every random draw with the absolute position; a prompt in a
+            batch gives the same output as alone with the same seed.
+        method : {"coupled", "rejection"}
+        stream : callable ``(index, token_ids, text)`` or None
+            Called with each request's newly emitted tokens and text.
+        stop : list of str or None
+            Stop strings; the text is cut before the first one.
+        eos : bool
+            Stop at the model's end-of-sequence tokens.
+        """
+        prompts, single = _as_batch(prompt)
+        seeds = list(seed) if isinstance(seed, (list, tuple, np.ndarray)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        _api._method(method)
+        sampling = [Sampling(float(temperature), int(top_k), float(top_p), float(min_p),
+                             int(s), method) for s in seeds]
+        results = self._run(prompts, sampling, int(max_new_tokens), stream, list(stop or []), eos)
+        return results[0] if single else results
+
+    def memory_report(self, batch: int | None = None, context: int | None = None) -> dict:
+        """Measured bytes of the last generation beside the planning estimate.
+
+        measured: target and drafter parameters, the peak bytes of both KV
+        caches (holes and padding included) and the process' peak RSS.
+        estimate: ``target + draft + both KV caches (batch * context tokens)
+        + overhead`` (logits of a step, and ~20% of the weights for the
+        runtime's buffers), what a user plans with.
+        """
+        batch, context = (batch, context) if batch else self._shape
+        t_params = self.target.param_bytes()
+        d_mem = self.drafter.memory() if self.drafter is not None else {"params": 0}
+        d_model = getattr(self.drafter, "model", None)
+        t_kv = self.target.kv_bytes_per_token() * batch * context
+        d_kv = d_model.kv_bytes_per_token() * batch * context if d_model is not None else 0
+        logits = batch * (self.controller.max_k + 1) * self.target.vocab_size * 4 * 2
+        overhead = logits + int(0.2 * (t_params + d_mem["params"]))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        measured = {"target_params": t_params, "draft_params": d_mem["params"],
+                    "target_kv_peak": self._peaks["target_kv"],
+                    "draft_kv_peak": d_mem.get("kv_peak", 0), "process_peak_rss": rss}
+        estimate = {"target_params": t_params, "draft_params": d_mem["params"],
+                    "target_kv": t_kv, "draft_kv": d_kv, "overhead": overhead}
+        measured["total"] = sum(v for k, v in measured.items() if k != "process_peak_rss")
+        estimate["total"] = sum(estimate.values())
+        return {"batch": batch, "context": context, "measured": measured, "estimate": estimate}
+
+    # -- the loop -----------------------------------------------------------
+    def _run(self, prompts, sampling, max_new, stream, stop, eos):
+        target, drafter, ctl = self.target, self.drafter, self.controller
+        t_start = time.perf_counter()
+        batch = len(prompts)
+        contexts = [target.encode(p) for p in prompts]
+        if any(not c for c in contexts):
+            raise ValueError("empty prompt")
+        n_prompt = [len(c) for c in contexts]
+        eos_ids = set(target.eos_token_ids) if eos else set()
+        metrics = [Metrics(prompt_tokens=n) for n in n_prompt]
+        total = Metrics(prompt_tokens=sum(n_prompt))
+        gen = [[] for _ in range(batch)]
+        texts = [""] * batch
+        finish = ["length"] * batch
+        want_text = stream is not None or bool(stop)
+
+        state = target.new_state(batch)
+        target.forward(state, [c[:-1] for c in contexts], all_logits=False)
+        if drafter is not None:
+            drafter.start([list(c) for c in contexts], sampling)
+        ctl.start(batch)
+        total.t_prefill = time.perf_counter() - t_start
+        for m in metrics:
+            m.t_prefill = total.t_prefill
+        live = list(range(batch)) if max_new > 0 else []
+        self._peaks["target_kv"] = 0
+
+        while live:
+            step_start = time.perf_counter()
+            ks = [ctl.choose(j, max_new - len(gen[i]) - 1) for j, i in enumerate(live)]
+            drafts = [Draft([]) for _ in live]
+            t0 = time.perf_counter()
+            if drafter is not None and any(ks):
+                drafts = drafter.propose([contexts[i] for i in live], ks,
+                                         [sampling[i] for i in live])
+                drafts = [_clip(d, k) for d, k in zip(drafts, ks)]
+            t_draft = time.perf_counter() - t0
+            n_drafted = sum(len(d.tokens) for d in drafts)
+            ctl.observe_draft(n_drafted, t_draft)
+
+            t0 = time.perf_counter()
+            rows = target.forward(state, [[contexts[i][-1]] + d.tokens
+                                          for i, d in zip(live, drafts)])
+            t_target = time.perf_counter() - t0
+            width = 1 + max(len(d.tokens) for d in drafts)
+            ctl.observe_target(width, t_target)
+
+            t0 = time.perf_counter()
+            result = self._verify(rows, drafts, [sampling[i] for i in live],
+                                  [len(contexts[i]) for i in live])
+            t_verify = time.perf_counter() - t0
+
+            keep_target, keep_draft, still = [], [], []
+            for j, i in enumerate(live):
+                n_acc = int(result.num_accepted[j])
+                drafted = len(drafts[j].tokens)
+                ctl.observe(j, drafted, n_acc)
+                metrics[i]._count(drafted, n_acc)
+                total._count(drafted, n_acc)
+                metrics[i].target_steps += 1
+                metrics[i].k_chosen[ks[j]] = metrics[i].k_chosen.get(ks[j], 0) + 1
+                old = len(contexts[i])
+                new = [int(t) for t in result.tokens[j, :n_acc + 1]]
+                keep_target.append(old + n_acc)
+                keep_draft.append(old + n_acc)
+                contexts[i].extend(new)
+                done = self._emit(i, new, gen, texts, finish, max_new, eos_ids, stop,
+                                  want_text, stream)
+                if not done:
+                    still.append(j)
+            total.target_steps += 1
+            target.truncate(state, keep_target)
+            if drafter is not None:
+                drafter.rollback(keep_draft)
+            self._peaks["target_kv"] = max(self._peaks["target_kv"], target.kv_bytes(state))
+            step = time.perf_counter() - step_start
+            ctl.observe_fixed(max(0.0, step - t_draft - t_target))
+            for i in live:
+                m = metrics[i]
+                m.t_draft += t_draft
+                m.t_target += t_target
+                m.t_verify += t_verify
+            total.t_draft += t_draft
+            total.t_target += t_target
+            total.t_verify += t_verify
+            if len(still) != len(live):
+                now = time.perf_counter() - t_start
+                for j, i in enumerate(live):
+                    if j not in still:
+                        metrics[i].t_total = now
+                live = [live[j] for j in still]
+                if live:
+                    target.select(state, still)
+                    if drafter is not None:
+                        drafter.select(still)
+                    ctl.select(still)
+
+        total.t_total = time.perf_counter() - t_start
+        for i in range(batch):
+            metrics[i].tokens = len(gen[i])
+            if not want_text:
+                texts[i] = target.decode(gen[i])
+        total.tokens = sum(len(g) for g in gen)
+        self.last_metrics = total
+        self._shape = (batch, max(n_prompt) + max_new)
+        return [Generation(texts[i], gen[i], finish[i], metrics[i]) for i in range(batch)]
+
+    def _verify(self, rows, drafts, sampling, positions):
+        torch_rows = type(rows[0]).__module__.split(".", 1)[0] == "torch"
+        if torch_rows:
+            import torch
+
+            logits = torch.cat(rows).float().numpy()
+        else:
+            logits = np.concatenate([np.asarray(r, np.float32) for r in rows])
+        tokens = np.array([t for d in drafts for t in d.tokens], np.int32)
+        num_draft = np.array([len(d.tokens) for d in drafts], np.int32)
+        q = _draft_probs(drafts, logits.shape[1])
+        return _api.verify(
+            logits, tokens, num_draft, draft_probs=q,
+            temperature=np.array([s.temperature for s in sampling], np.float32),
+            top_k=np.array([s.top_k for s in sampling], np.int32),
+            top_p=np.array([s.top_p for s in sampling], np.float32),
+            min_p=np.array([s.min_p for s in sampling], np.float32),
+            seed=np.array([s.seed for s in sampling], np.uint64),
+            position=np.array(positions, np.int64), method=sampling[0].method)
+
+    def _emit(self, i, new, gen, texts, finish, max_new, eos_ids, stop, want_text, stream):
+        """Appends request i's new tokens; True when it is finished."""
+        out, done = [], False
+        for t in new:
+            if len(gen[i]) + len(out) >= max_new:
+                done = True
+                break
+            if t in eos_ids:
+                finish[i], done = "eos", True
+                break
+            out.append(t)
+        gen[i].extend(out)
+        if len(gen[i]) >= max_new:
+            done = True
+        delta = ""
+        if want_text:
+            text = self.target.decode(gen[i])
+            if stop:
+                cut = min((p for p in (text.find(s) for s in stop) if p >= 0), default=-1)
+                if cut >= 0:
+                    text, done, finish[i] = text[:cut], True, "stop"
+            if not done and text.endswith("\ufffd"):
+                text = texts[i]  # an incomplete character: wait for its next byte
+            delta = text[len(texts[i]):] if text.startswith(texts[i]) else text
+            texts[i] = text
+        if stream is not None and (out or delta):
+            stream(i, out, delta)
+        return done
+
+
+def _clip(d: Draft, k: int) -> Draft:
+    if len(d.tokens) <= k:
+        return d
+    probs = d.probs
+    if isinstance(probs, _api.SparseProbs):
+        probs = _api.SparseProbs(probs.indices[:k], probs.values[:k])
+    elif probs is not None:
+        probs = probs[:k]
+    return Draft(list(d.tokens[:k]), probs)
+
+
+def _draft_probs(drafts, vocab):
+    """One q for the batch: None when every draft is deterministic, else dense
+    rows (one-hot for deterministic drafts) or SparseProbs when all are sparse."""
+    live = [d for d in drafts if d.tokens]
+    if not live or all(d.probs is None for d in live):
+        return None
+    if all(isinstance(d.probs, _api.SparseProbs) for d in live):
+        width = max(d.probs.indices.shape[1] for d in live)
+        idx = np.full((sum(len(d.tokens) for d in live), width), -1, np.int32)
+        val = np.zeros(idx.shape, np.float32)
+        r = 0
+        for d in live:
+            n, w = d.probs.indices.shape
+            idx[r:r + n, :w] = d.probs.indices
+            val[r:r + n, :w] = d.probs.values
+            r += n
+        return _api.SparseProbs(idx, val)
+    out = []
+    for d in live:
+        if d.probs is None:
+            q = np.zeros((len(d.tokens), vocab), np.float32)
+            q[np.arange(len(d.tokens)), d.tokens] = 1.0
+        elif isinstance(d.probs, _api.SparseProbs):
+            q = np.zeros((len(d.tokens), vocab), np.float32)
+            for r, (ix, vx) in enumerate(zip(d.probs.indices, d.probs.values)):
+                q[r, ix[ix >= 0]] = vx[ix >= 0]
+        else:
+            q = np.asarray(d.probs, np.float32)
+        out.append(q)
+    return np.concatenate(out)
+
+
+def _as_batch(prompt):
+    """(list of prompts, whether one prompt was given)."""
+    if isinstance(prompt, str):
+        return [prompt], True
+    if isinstance(prompt, (list, tuple)):
+        if prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return [[int(t) for t in prompt]], True
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return [list(prompt)], True
+        if not prompt:
+            raise ValueError("no prompt")
+        return list(prompt), False
+    raise TypeError(f"prompt must be a string, token ids, chat messages or a list of these, "
+                    f"got {type(prompt).__name__}")
+
+
+def plain_decoder(target) -> SpeculativeDecoder:
+    """The same loop without drafting: the baseline speculative decoding is
+    compared against (and must reproduce)."""
+    return SpeculativeDecoder(target, None)
+
+
+__all__ = ["DraftLength", "Generation", "Metrics", "SpeculativeDecoder", "plain_decoder"]
