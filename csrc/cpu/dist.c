@@ -11,6 +11,60 @@
 /* Tokens between two top-p pivots that are sorted rather than bisected. */
 #define SF_TOP_P_SORT 4096
 
+/* A lone request's row is split across threads from this many tokens. */
+#define SF_SPLIT_VOCAB 16384
+#define SF_MAX_SPLIT 64
+
+typedef struct split_ctx {
+    const sf_kernels *k;
+    const sf_row *row;
+    sf_weights_in in;
+    uint64_t *blocks;
+    float *resid;
+    int64_t per;
+    sf_weights_out out[SF_MAX_SPLIT];
+} split_ctx;
+
+static sf_status split_part(void *arg, int64_t part, sf_scratch *s) {
+    (void)s;
+    split_ctx *c = arg;
+    sf_weights_in in = c->in;
+    in.first_block = part * c->per;
+    in.n_blocks = c->per;
+    const int64_t nb = (c->row->vocab + SF_BLOCK - 1) / SF_BLOCK;
+    if (in.first_block >= nb) {
+        c->out[part] = (sf_weights_out){0, 0, 0, 0};
+        return SF_OK;
+    }
+    c->k->weights(c->row, &in, c->blocks ? c->blocks + in.first_block : NULL,
+                  c->resid ? c->resid + in.first_block * SF_BLOCK : NULL, &c->out[part]);
+    return SF_OK;
+}
+
+/* k->weights over the whole row, on every thread when a lone request leaves
+ * the pool idle. Integer sums make the split invisible in the result. */
+static void weights_all(const sf_kernels *k, const sf_row *r, const sf_weights_in *in,
+                        uint64_t *blocks, float *resid, sf_weights_out *out) {
+    int parts = sf_parallel_width();
+    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
+    if (parts > 1 && r->vocab >= SF_SPLIT_VOCAB) {
+        const int64_t nb = (r->vocab + SF_BLOCK - 1) / SF_BLOCK;
+        split_ctx c = {k, r, *in, blocks, resid, (nb + parts - 1) / parts, {{0}}};
+        if (sf_parallel_split(parts, split_part, &c)) {
+            *out = (sf_weights_out){0, 0, 0, 0};
+            for (int i = 0; i < parts; i++) {
+                out->total += c.out[i].total;
+                out->kept += c.out[i].kept;
+                out->q_mass = (out->q_mass == UINT64_MAX || c.out[i].q_mass == UINT64_MAX)
+                                  ? UINT64_MAX : out->q_mass + c.out[i].q_mass;
+                out->q_bad |= c.out[i].q_bad;
+            }
+            return;
+        }
+    }
+    k->weights(r, in, blocks, resid, out);
+}
+
 /* Sort key of a candidate: ascending keys are (logit descending, id
  * ascending). -0 counts as +0, as the float comparisons of the cut do. */
 static uint64_t rank_key(float l, int32_t id) {
@@ -64,7 +118,7 @@ static void mass_above(const sf_kernels *k, const sf_row *r, float t,
     at.cut_id = INT32_MAX;
     sf_weights_in in = {NULL, 1.0f, NULL, 0, 0};
     sf_weights_out o;
-    k->weights(&at, &in, NULL, NULL, &o);
+    weights_all(k, &at, &in, NULL, NULL, &o);
     *mass = o.total;
     *count = o.kept;
 }
@@ -167,7 +221,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         d->blocks = sf_scratch_get(s, SF_SLOT_BLOCKS, nb * 8);
         if (!d->blocks) return SF_ERR_NO_MEMORY;
         sf_weights_out o;
-        k->weights(r, &d->in, d->blocks, NULL, &o);
+        weights_all(k, r, &d->in, d->blocks, NULL, &o);
         d->total = o.total;
     }
     return SF_OK;
@@ -215,14 +269,14 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
     sf_weights_in in = {d->in.base, (float)(1099511627776.0 / (double)d->total), q, 0, 0};
     float *out = more ? d->resid[d->resid_next] : NULL;
     sf_weights_out o;
-    k->weights(&d->row, &in, d->blocks, out, &o);
+    weights_all(k, &d->row, &in, d->blocks, out, &o);
     /* q must sum to 1 within 1e-3 where the pass read it whole. */
     const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
     if (o.q_bad || (o.q_mass != UINT64_MAX && (o.q_mass > one + tol || o.q_mass + tol < one)))
         return SF_ERR_DRAFT_PROBS;
     if (o.total == 0) {
         /* p <= q everywhere (p == q up to rounding): keep p. */
-        k->weights(&d->row, &d->in, d->blocks, NULL, &o);
+        weights_all(k, &d->row, &d->in, d->blocks, NULL, &o);
         return SF_OK;
     }
     d->total = o.total;

@@ -1,5 +1,7 @@
 /* pool.c: persistent worker threads, started on first use, restarted in a
- * forked child (whose threads did not survive the fork). */
+ * forked child (whose threads did not survive the fork). Workers spin a
+ * little after each job before they sleep, so that calls in a decoding loop
+ * do not pay a wake-up each. */
 #define _GNU_SOURCE
 #include "pool.h"
 
@@ -8,6 +10,16 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SF_PAUSE() _mm_pause()
+#else
+#define SF_PAUSE() ((void)0)
+#endif
+
+/* Spins before sleeping: long enough to bridge back-to-back calls. */
+#define SF_SPIN 20000
 
 void *sf_scratch_get(sf_scratch *s, int slot, size_t bytes) {
     if (bytes <= s->cap[slot]) return s->buf[slot];
@@ -19,25 +31,31 @@ void *sf_scratch_get(sf_scratch *s, int slot, size_t bytes) {
     return p;
 }
 
+typedef struct sf_job {
+    sf_task_fn fn;
+    void *ctx;
+    int64_t n;
+    atomic_llong next, done;
+    int64_t fail_item;
+    sf_status fail_status;
+} sf_job;
+
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static struct {
-    int requested;      /* sf_set_num_threads; 0 = one per core */
-    int started;        /* workers running (not counting the caller) */
+    int requested;       /* sf_set_num_threads; 0 = one per core */
+    int started;         /* workers running (not counting the caller) */
     pthread_t *threads;
     sf_scratch *scratch; /* [0] is the caller's */
     int n_scratch;
     pthread_mutex_t mu;
     pthread_cond_t go, done;
-    uint64_t generation, start_generation;
-    int active, shutdown;
-    /* the job */
-    sf_task_fn fn;
-    void *ctx;
-    int64_t n;
-    atomic_llong next;
-    int64_t fail_item;
-    sf_status fail_status;
+    atomic_ullong generation, current; /* current: the job's generation, 0 once over */
+    uint64_t start_generation;
+    atomic_int inflight, sleepers;     /* workers inside run_job; asleep */
+    int shutdown;
+    sf_job *job;         /* what the workers run now */
+    int single;          /* the caller runs a one-item job: splits may use the workers */
 } P = {.mu = PTHREAD_MUTEX_INITIALIZER,
        .go = PTHREAD_COND_INITIALIZER,
        .done = PTHREAD_COND_INITIALIZER};
@@ -57,38 +75,56 @@ static int wanted_threads(void) {
     return n > 256 ? 256 : n;
 }
 
-static void run_items(int worker) {
-    sf_scratch *s = &P.scratch[worker];
+static void run_job(sf_job *j, sf_scratch *s) {
     for (;;) {
-        int64_t i = atomic_fetch_add(&P.next, 1);
-        if (i >= P.n) return;
-        sf_status st = P.fn(P.ctx, i, s);
+        int64_t i = atomic_fetch_add(&j->next, 1);
+        if (i >= j->n) return;
+        sf_status st = j->fn(j->ctx, i, s);
         if (st != SF_OK) {
             pthread_mutex_lock(&P.mu);
-            if (P.fail_item < 0 || i < P.fail_item) {
-                P.fail_item = i;
-                P.fail_status = st;
+            if (j->fail_item < 0 || i < j->fail_item) {
+                j->fail_item = i;
+                j->fail_status = st;
             }
+            pthread_mutex_unlock(&P.mu);
+        }
+        if (atomic_fetch_add(&j->done, 1) + 1 == j->n) {
+            pthread_mutex_lock(&P.mu);
+            pthread_cond_broadcast(&P.done);
             pthread_mutex_unlock(&P.mu);
         }
     }
 }
 
 static void *worker_main(void *arg) {
-    int id = (int)(intptr_t)arg;
-    uint64_t seen = 0;
+    const int id = (int)(intptr_t)arg;
     pthread_mutex_lock(&P.mu);
-    seen = P.start_generation; /* a job may be posted before we get here */
-    for (;;) {
-        while (P.generation == seen && !P.shutdown) pthread_cond_wait(&P.go, &P.mu);
-        if (P.shutdown) break;
-        seen = P.generation;
-        pthread_mutex_unlock(&P.mu);
-        run_items(id);
-        pthread_mutex_lock(&P.mu);
-        if (--P.active == 0) pthread_cond_signal(&P.done);
-    }
+    uint64_t seen = P.start_generation; /* a job may be posted before we get here */
+    int stop = P.shutdown;
     pthread_mutex_unlock(&P.mu);
+    while (!stop) {
+        int spins = 0;
+        while (atomic_load(&P.generation) == seen && spins < SF_SPIN) { SF_PAUSE(); spins++; }
+        if (atomic_load(&P.generation) == seen) {
+            pthread_mutex_lock(&P.mu);
+            atomic_fetch_add(&P.sleepers, 1);
+            while (atomic_load(&P.generation) == seen && !P.shutdown)
+                pthread_cond_wait(&P.go, &P.mu);
+            atomic_fetch_sub(&P.sleepers, 1);
+            stop = P.shutdown;
+            pthread_mutex_unlock(&P.mu);
+            if (stop) break;
+        }
+        seen = atomic_load(&P.generation);
+        /* Join only a job still running: the caller may be done with it
+         * (its items all taken by faster threads) and gone. */
+        atomic_fetch_add(&P.inflight, 1);
+        if (atomic_load(&P.current) == seen) run_job(P.job, &P.scratch[id]);
+        atomic_fetch_sub(&P.inflight, 1);
+        pthread_mutex_lock(&P.mu);
+        stop = P.shutdown;
+        pthread_mutex_unlock(&P.mu);
+    }
     return NULL;
 }
 
@@ -116,7 +152,7 @@ static sf_status ensure_workers(void) {
     pthread_t *t = realloc(P.threads, (size_t)want * sizeof *t);
     if (!t) return SF_ERR_NO_MEMORY;
     P.threads = t;
-    P.start_generation = P.generation;
+    P.start_generation = atomic_load(&P.generation);
     for (int i = 1; i < want; i++) {
         if (pthread_create(&P.threads[P.started], NULL, worker_main,
                            (void *)(intptr_t)i) != 0) {
@@ -128,6 +164,27 @@ static sf_status ensure_workers(void) {
     return SF_OK;
 }
 
+/* Runs `j` on the caller (whose scratch is `s`) and whichever workers join
+ * while items remain: a worker that is slow to wake delays nothing. */
+static void run_everywhere(sf_job *j, sf_scratch *s) {
+    P.job = j;
+    pthread_mutex_lock(&P.mu);
+    atomic_store(&P.current, atomic_load(&P.generation) + 1);
+    atomic_fetch_add(&P.generation, 1);
+    if (atomic_load(&P.sleepers) > 0) pthread_cond_broadcast(&P.go);
+    pthread_mutex_unlock(&P.mu);
+    run_job(j, s);
+    int spins = 0;
+    while (atomic_load(&j->done) < j->n && spins < SF_SPIN) { SF_PAUSE(); spins++; }
+    if (atomic_load(&j->done) < j->n) {
+        pthread_mutex_lock(&P.mu);
+        while (atomic_load(&j->done) < j->n) pthread_cond_wait(&P.done, &P.mu);
+        pthread_mutex_unlock(&P.mu);
+    }
+    atomic_store(&P.current, 0);
+    while (atomic_load(&P.inflight) > 0) SF_PAUSE(); /* workers leaving j */
+}
+
 sf_status sf_parallel_for(int64_t n, sf_task_fn fn, void *ctx,
                           int64_t *fail_item) {
     pthread_mutex_lock(&call_lock);
@@ -137,31 +194,31 @@ sf_status sf_parallel_for(int64_t n, sf_task_fn fn, void *ctx,
         *fail_item = -1;
         return st;
     }
-    P.fn = fn;
-    P.ctx = ctx;
-    P.n = n;
-    P.fail_item = -1;
-    P.fail_status = SF_OK;
-    atomic_store(&P.next, 0);
-    int helpers = P.started;
-    if (n > 1 && helpers > 0) {
-        pthread_mutex_lock(&P.mu);
-        P.active = helpers;
-        P.generation++;
-        pthread_cond_broadcast(&P.go);
-        pthread_mutex_unlock(&P.mu);
+    sf_job j = {fn, ctx, n, 0, 0, -1, SF_OK};
+    if (n > 1 && P.started > 0) {
+        run_everywhere(&j, &P.scratch[0]);
+    } else {
+        P.single = 1;
+        run_job(&j, &P.scratch[0]);
+        P.single = 0;
     }
-    run_items(0);
-    if (n > 1 && helpers > 0) {
-        pthread_mutex_lock(&P.mu);
-        while (P.active > 0) pthread_cond_wait(&P.done, &P.mu);
-        pthread_mutex_unlock(&P.mu);
-    }
-    *fail_item = P.fail_item;
-    st = P.fail_status;
+    *fail_item = j.fail_item;
+    st = j.fail_status;
     pthread_mutex_unlock(&call_lock);
     return st;
 }
+
+int sf_parallel_split(int64_t n, sf_task_fn fn, void *ctx) {
+    /* Only from inside a one-item job: then the workers are idle. */
+    if (!P.single || P.started == 0 || n < 2) return 0;
+    sf_job j = {fn, ctx, n, 0, 0, -1, SF_OK};
+    P.single = 0;
+    run_everywhere(&j, NULL);
+    P.single = 1;
+    return 1;
+}
+
+int sf_parallel_width(void) { return P.single ? P.started + 1 : 1; }
 
 SF_API sf_status sf_set_num_threads(int n) {
     if (n < 0) return SF_ERR_ARGUMENT;
@@ -186,7 +243,9 @@ static void after_fork_parent(void) { pthread_mutex_unlock(&call_lock); }
 static void after_fork_child(void) {
     P.started = 0;
     P.shutdown = 0;
-    P.active = 0;
+    atomic_store(&P.inflight, 0);
+    atomic_store(&P.current, 0);
+    atomic_store(&P.sleepers, 0);
     pthread_mutex_init(&P.mu, NULL);
     pthread_cond_init(&P.go, NULL);
     pthread_cond_init(&P.done, NULL);

@@ -30,4 +30,12 @@ typedef sf_status (*sf_task_fn)(void *ctx, int64_t item, sf_scratch *s);
 sf_status sf_parallel_for(int64_t n, sf_task_fn fn, void *ctx,
                           int64_t *fail_item);
 
+/* From inside a task of a one-item sf_parallel_for (when the workers are
+ * idle): runs fn(ctx, part, NULL-or-worker-scratch) for part in [0, n) on all
+ * threads and returns 1; returns 0, doing nothing, anywhere else. */
+int sf_parallel_split(int64_t n, sf_task_fn fn, void *ctx);
+
+/* How many threads sf_parallel_split would use now (1: it would not). */
+int sf_parallel_width(void);
+
 #endif /* SF_CPU_POOL_H */
