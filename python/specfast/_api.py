@@ -76,7 +76,12 @@ def _torch_to_numpy(t, name):
     return t.detach().numpy()
 
 
+_I32 = np.dtype(np.int32)
+
+
 def _int_array(x, name, ndim):
+    if type(x) is np.ndarray and x.dtype == _I32 and x.ndim == ndim and x.flags.c_contiguous:
+        return x  # the common case, checked first: this runs every decoding step
     if _is_torch(x):
         x = _torch_to_numpy(x, name)
     a = np.asarray(x)
@@ -108,6 +113,10 @@ def _float_array(x, name, ndim):
 def _logits(x, name="target_logits"):
     """Returns (array, dtype code, row stride) for 2-D logits, zero-copy when
     the rows are contiguous."""
+    if type(x) is np.ndarray and x.ndim == 2 and x.flags.c_contiguous:
+        code = _LOGIT_DTYPES.get(x.dtype)
+        if code is not None and 1 <= x.shape[1] <= _MAX_VOCAB:
+            return x, code, x.shape[1]
     if _is_torch(x):
         if str(x.dtype) == "torch.bfloat16":
             if x.device.type != "cpu":
@@ -202,8 +211,22 @@ def _array_param(value, name, batch, keep):
 _FLOATS = ("temperature", "top_p", "min_p")
 
 
+_PLAIN = (int, float)
+
+
 def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
     """An sf_params; scalars share two small buffers, arrays are passed as is."""
+    if (type(temperature) in _PLAIN and type(top_p) in _PLAIN and type(min_p) in _PLAIN
+            and type(top_k) is int and type(seed) is int and type(position) is int
+            and 0 <= top_k < 1 << 31 and 0 <= seed < 1 << 64 and -(1 << 63) <= position < 1 << 63):
+        # Every parameter a plain number: the common case, built directly.
+        floats = ffi.new(_T_F3, (temperature, top_p, min_p))
+        ints = ffi.new(_T_I3, (top_k, 0, position))
+        seeds = ffi.new(_T_U1, (seed,))
+        p = ffi.new(_T_PARAMS, (floats, 1, ffi.cast(_T_I32P, ints), 1, floats + 1, 1,
+                                floats + 2, 1, seeds, 1, ints + 2, 1))
+        keep += [floats, ints, seeds, p]
+        return p
     p = ffi.new("sf_params *")
     keep.append(p)
     values = {"temperature": temperature, "top_p": top_p, "min_p": min_p,
@@ -251,6 +274,12 @@ def _method(method):
 
 
 _ARRAY_TYPES = {}
+# Parsed once: ffi.new with a type object skips the parse on every call.
+_T_DRAFT, _T_OUT, _T_ERR, _T_LOGITS, _T_PARAMS = (
+    ffi.typeof(t) for t in ("sf_draft *", "sf_verify_out *", "sf_error *", "sf_logits *",
+                            "sf_params *"))
+_T_F3, _T_I3, _T_U1, _T_I32P = (ffi.typeof(t) for t in ("float[3]", "int64_t[3]", "uint64_t[1]",
+                                                       "int32_t *"))
 
 
 def _ptr(ctype, a):
@@ -262,7 +291,7 @@ def _ptr(ctype, a):
 
 
 def _c_logits(a, code, stride, keep):
-    c = ffi.new("sf_logits *")
+    c = ffi.new(_T_LOGITS)
     if a.flags.c_contiguous:
         data = ffi.from_buffer(a)
         keep.append(data)
@@ -340,7 +369,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     nd = _int_array(num_draft, "num_draft", 1)
     batch, n = nd.shape[0], tokens.shape[0]
     keep = [a, tokens, nd]
-    d = ffi.new("sf_draft *")
+    d = ffi.new(_T_DRAFT)
     d.tokens, d.n = _ptr("int32_t *", tokens), n
     d.num_draft, d.batch = _ptr("int32_t *", nd), batch
     if parents is not None:
@@ -379,13 +408,15 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
             f"target_logits has {a.shape[0]} rows; sum(num_draft + 1) = {n + batch} needed"
         )
     params = _params(batch, temperature, top_k, top_p, min_p, seed, position, keep)
-    out_tokens = np.empty((batch, max_draft + 1), np.int32)
-    out_acc = np.empty(batch, np.int32)
-    out_nodes = np.empty((batch, max_draft), np.int32)
-    out = ffi.new("sf_verify_out *")
-    out.tokens, out.num_accepted = _ptr("int32_t *", out_tokens), _ptr("int32_t *", out_acc)
-    out.accepted_nodes, out.max_draft = _ptr("int32_t *", out_nodes), max_draft
-    err = ffi.new("sf_error *")
+    # One allocation for the three outputs.
+    width = max_draft + 1
+    buf = np.empty(batch * (2 * width), np.int32)
+    out_tokens = buf[: batch * width].reshape(batch, width)
+    out_acc = buf[batch * width: batch * width + batch]
+    out_nodes = buf[batch * width + batch:].reshape(batch, max_draft)
+    base = _ptr("int32_t *", buf)
+    out = ffi.new(_T_OUT, (base, base + batch * width, base + batch * width + batch, max_draft))
+    err = ffi.new(_T_ERR)
     status = lib().sf_verify(_c_logits(a, code, stride, keep), d, params, m, out, err)
     if status:
         _raise(status, "specfast.verify", err.index,
