@@ -220,9 +220,16 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         size_t nb = (size_t)((vocab + SF_BLOCK - 1) / SF_BLOCK);
         d->blocks = sf_scratch_get(s, SF_SLOT_BLOCKS, nb * 8);
         if (!d->blocks) return SF_ERR_NO_MEMORY;
+        /* With residual buffers (dense drafts), keep each token's e: the
+         * residual passes then read it instead of recomputing the exp. */
+        float *keep_e = d->resid[0];
         sf_weights_out o;
-        weights_all(k, r, &d->in, d->blocks, NULL, &o);
+        weights_all(k, r, &d->in, d->blocks, keep_e, &o);
         d->total = o.total;
+        if (keep_e) {
+            d->in.base = keep_e;
+            d->resid_next = 1;
+        }
     }
     return SF_OK;
 }

@@ -24,8 +24,7 @@ static sf_status sample_one(void *arg, int64_t b, sf_scratch *s) {
     sf_params_get(c->params, b, &p);
     if (p.temperature == 0.0f)
         return sf_row_greedy(c->k, row, c->logits->dtype, c->logits->vocab, &c->tokens[b]);
-    sf_dist d;
-    d.n_over = 0;
+    sf_dist d = {.n_over = 0};
     sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype,
                                    c->logits->vocab, &p, c->method == SF_REJECTION);
     if (st != SF_OK) return st;
@@ -50,8 +49,7 @@ static sf_status probs_one(void *arg, int64_t b, sf_scratch *s) {
         out[t] = 1.0f;
         return SF_OK;
     }
-    sf_dist d;
-    d.n_over = 0;
+    sf_dist d = {.n_over = 0};
     sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1);
     if (st != SF_OK) return st;
     /* The pass stores each kept token's e; its weight is then exact. */

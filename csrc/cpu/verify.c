@@ -67,7 +67,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
     d.over_w = sf_scratch_get(s, SF_SLOT_OVER_W, (size_t)(nd * k_over + 1) * 8);
     if (!d.over_id || !d.over_w) return SF_ERR_NO_MEMORY;
     d.resid[0] = d.resid[1] = NULL;
-    if (c->method == SF_REJECTION && dr->kind == SF_DRAFT_DENSE && dr->parents) {
+    if (c->method == SF_REJECTION && dr->kind == SF_DRAFT_DENSE) {
         float *r = sf_scratch_get(s, SF_SLOT_RESID, (size_t)vocab * 8);
         if (!r) return SF_ERR_NO_MEMORY;
         d.resid[0] = r;

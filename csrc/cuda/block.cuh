@@ -15,7 +15,9 @@
 
 #include <stdint.h>
 
-#include "shared.cuh"
+#include <cuda_runtime.h>
+
+#include "../common/shared.h"
 #include "specfast.h"
 
 #define SF_CU_THREADS 512

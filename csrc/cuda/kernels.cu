@@ -201,17 +201,17 @@ __device__ void sf_cu_pass_max(const void *row, int64_t n, bool al, float *mx,
 }
 
 /* Weights pass: per-tile sums into tiles[], the residual into `store` when
- * not NULL; returns the total. q_bad / q_sum as sf_weights_out's. */
+ * not NULL; returns the total. q_bad / q_mass as sf_weights_out's. */
 template <int DT>
 __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int64_t n,
                                        bool al, const sf_cu_in &in, float *store,
                                        uint64_t *tiles, int ntiles, int *q_bad,
-                                       float *q_sum) {
+                                       uint64_t *q_mass) {
     const bool cut = sf_cu_cut_active(r) && !in.base;
     for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) tiles[t] = 0;
     __syncthreads();
     int qbad = 0;
-    float qs = 0.0f;
+    uint64_t qm = 0;
     const bool als = store && sf_cu_aligned(store);
     for (int t = 0; t < ntiles; t++) {
         const int64_t i0 = (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
@@ -223,9 +223,12 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int6
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 if (i0 + j >= n) break;
+                /* kernels_impl.h: q outside [0, 1.001] (or NaN) is bad; the
+                 * good values sum exactly as fixed-point masses. */
                 float q = __ldg(in.q + i0 + j);
-                qs = __fadd_rn(qs, q);
-                qbad |= !(q >= 0.0f) || q == INFINITY;
+                bool ok = q >= 0.0f && q <= 1.001f;
+                qbad |= !ok;
+                qm += sf_cu_fixed(ok ? q : 0.0f);
             }
         }
 #pragma unroll
@@ -244,7 +247,7 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int6
             atomicAdd((unsigned long long *)&tiles[t], (unsigned long long)s);
     }
     if (q_bad) *q_bad = __syncthreads_or(qbad);
-    if (q_sum) *q_sum = sf_cu_block_fsum(qs);
+    if (q_mass) *q_mass = sf_cu_block_sum(qm);
     __syncthreads();
     uint64_t part = 0;
     for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
@@ -512,11 +515,13 @@ __device__ int sf_cu_reject_dense(sf_cu_dist &d, const void *row, int64_t n, boo
     const sf_cu_in in = {d.base, (float)(1099511627776.0 / (double)d.total), q};
     float *out = more ? resid2 + (int64_t)d.resid_next * n : NULL;
     int q_bad;
-    float q_sum;
+    uint64_t q_mass;
     const sf_cu_row r = d.r;
-    uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in, out, tiles, ntiles, &q_bad, &q_sum);
-    const float qs = sf_cu_cut_active(r) && !in.base ? NAN : q_sum;
-    if (q_bad || fabsf(qs - 1.0f) > 1e-3f) return SF_ERR_DRAFT_PROBS;
+    uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in, out, tiles, ntiles, &q_bad, &q_mass);
+    /* q must sum to 1 within 1e-3 where the pass read it whole (dist.c). */
+    const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
+    const bool whole = !(sf_cu_cut_active(r) && !in.base);
+    if (q_bad || (whole && (q_mass > one + tol || q_mass + tol < one))) return SF_ERR_DRAFT_PROBS;
     if (total == 0) {
         /* p <= q everywhere (p == q up to rounding): keep p. */
         sf_cu_pass_weights<DT>(r, row, n, al, old, NULL, tiles, ntiles, NULL, NULL);

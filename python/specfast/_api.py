@@ -33,6 +33,9 @@ class SparseProbs:
     __slots__ = ("indices", "values", "_torch")
 
     def __init__(self, indices, values):
+        if _is_torch(indices) and indices.is_cuda:  # kept on the device for the CUDA backend
+            self._torch, self.indices, self.values = True, indices, values
+            return
         self._torch = _is_torch(indices) or _is_torch(values)
         idx = _int_array(indices, "SparseProbs indices", ndim=2)
         val = _float_array(values, "SparseProbs values", ndim=2)
@@ -362,6 +365,12 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     ((1, 3), (1,))
     """
     torch_out = _is_torch(target_logits)
+    if torch_out and target_logits.is_cuda:
+        from . import _cuda
+
+        return _cuda.verify(target_logits, draft_tokens, num_draft, draft_probs=draft_probs,
+                            parents=parents, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, seed=seed, position=position, method=method)
     m = _method(method)
     a, code, stride = _logits(target_logits)
     vocab = a.shape[1]
@@ -452,6 +461,11 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
     (2,)
     """
     torch_out = _is_torch(logits)
+    if torch_out and logits.is_cuda:
+        from . import _cuda
+
+        return _cuda.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, seed=seed, position=position, method=method)
     m = _method(method)
     a, code, stride = _logits(logits, "logits")
     keep = [a]
@@ -490,6 +504,11 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     array([[0.5, 0.5, 0. ]], dtype=float32)
     """
     torch_out = _is_torch(logits)
+    if torch_out and logits.is_cuda:
+        from . import _cuda
+
+        return _cuda.probs(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                           min_p=min_p)
     a, code, stride = _logits(logits, "logits")
     keep = [a]
     params = _params(a.shape[0], temperature, top_k, top_p, min_p, 0, 0, keep)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA backend, in one go (meant to finish within ~5 min on
+# an H200): build libspecfast.so and libspecfast_cuda.so with CMake, run the
+# CUDA-vs-CPU tests, run the GPU benchmark. Everything lands in one folder:
+# $OUT when set (the device runner's output folder), else bench/gpu/results.
+#   bash bench/gpu/run.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+RES="${OUT:-bench/gpu/results}"
+mkdir -p "$RES"
+exec > >(tee "$RES/run.log") 2>&1
+JOBS="$(nproc 2>/dev/null || echo 4)"
+{ nvidia-smi; nvcc --version; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.is_available())"; } \
+  > "$RES/env.txt" 2>&1
+cat "$RES/env.txt"
+
+# Build. CMakeLists.txt includes cmake/cuda.cmake; until it does, inject it.
+EXTRA=()
+grep -q "cmake/cuda.cmake" CMakeLists.txt || EXTRA+=("-DCMAKE_PROJECT_INCLUDE=$PWD/cmake/cuda.cmake")
+T0=$SECONDS
+cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=Release -DSPECFAST_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90-real "${EXTRA[@]}" > "$RES/build.log" 2>&1 \
+  && cmake --build build/gpu -j "$JOBS" >> "$RES/build.log" 2>&1
+BUILD=$?
+echo "build: rc=$BUILD in $((SECONDS - T0)) s"
+if [ "$BUILD" -ne 0 ]; then tail -40 "$RES/build.log"; exit 1; fi
+
+export SPECFAST_LIBRARY="$PWD/build/gpu/libspecfast.so"
+export SPECFAST_CUDA_LIBRARY="$PWD/build/gpu/libspecfast_cuda.so"
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+
+T0=$SECONDS
+timeout 150 python3 -m pytest -q -x --no-header -p no:cacheprovider tests/test_cuda.py \
+  --junitxml="$RES/test_cuda.xml" 2>&1 | tail -40
+TESTS=${PIPESTATUS[0]}
+echo "tests: rc=$TESTS in $((SECONDS - T0)) s"
+
+T0=$SECONDS
+timeout 90 python3 bench/gpu/bench_gpu.py --out "$RES"
+BENCH=$?
+echo "bench: rc=$BENCH in $((SECONDS - T0)) s"
+echo "summary: build=$BUILD tests=$TESTS bench=$BENCH" | tee "$RES/summary.txt"
+[ "$TESTS" -eq 0 ] && [ "$BENCH" -eq 0 ]

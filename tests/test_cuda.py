@@ -1,0 +1,207 @@
+"""The CUDA backend against the CPU backend, case by case (ggml's backend-ops idea).
+
+Coupled and greedy decisions must be bit-identical; rejection sampling uses the same
+Philox streams and the same integer masses, so it must agree on every case here too;
+probs must agree exactly. Every case is a random ragged batch (odd vocabulary sizes,
+chains and trees, num_draft 0 included, per-request temperature / top-k / top-p /
+min-p / seed / position) run on both backends. Skipped without a CUDA device.
+"""
+
+import numpy as np
+import pytest
+
+import specfast as sf
+from reference import draft_arg, pack, random_request, to_dtype
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from specfast import _cuda  # noqa: E402
+
+try:
+    _cuda.lib()
+except (NotImplementedError, ImportError) as exc:  # pragma: no cover
+    pytest.skip(f"CUDA backend not built: {exc}", allow_module_level=True)
+
+DEV = torch.device("cuda")
+VOCABS = [1, 7, 111, 1000, 4099, 32000]
+DTYPES = ["float32", "float16", "bfloat16"]
+KINDS = ["none", "dense", "sparse"]
+METHODS = ["rejection", "coupled"]
+
+
+def to_torch(a):
+    """A numpy array (ml_dtypes bfloat16 included) as a CUDA tensor of the same dtype."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16).to(DEV)
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
+
+
+def cuda_draft(spec):
+    if spec is None:
+        return None
+    if spec[0] == "dense":
+        return to_torch(spec[1])
+    return (to_torch(spec[1]), to_torch(spec[2]))
+
+
+def batch_case(rng, vocab, dtype, kind, tree, batch, max_draft=5):
+    reqs = [random_request(rng, vocab, max_draft, tree=tree) for _ in range(batch)]
+    (logits, tokens, nd), kw = pack(reqs, kind, with_parents=tree)
+    return (to_dtype(logits, dtype), tokens, nd), kw
+
+
+def run_both(args, kw, method):
+    logits, tokens, nd = args
+    cpu = sf.verify(logits, tokens, nd, method=method,
+                    **{**kw, "draft_probs": draft_arg(kw["draft_probs"])})
+    ckw = dict(kw)
+    ckw["draft_probs"] = cuda_draft(kw["draft_probs"])
+    for key in ("temperature", "top_k", "top_p", "min_p", "seed", "position"):
+        ckw[key] = to_torch(np.asarray(ckw[key]))
+    if ckw.get("parents") is not None:
+        ckw["parents"] = to_torch(ckw["parents"])
+    gpu = _cuda.verify(to_torch(logits), to_torch(tokens), nd, method=method, check=True, **ckw)
+    return cpu, gpu
+
+
+def assert_same(cpu, gpu, what):
+    for name in ("tokens", "num_accepted", "accepted_nodes"):
+        a = np.asarray(getattr(cpu, name))
+        b = getattr(gpu, name).cpu().numpy()
+        if not np.array_equal(a, b):
+            rows = np.flatnonzero((a != b).reshape(a.shape[0], -1).any(axis=1))
+            raise AssertionError(
+                f"{what}: {name} differs in requests {rows[:10].tolist()}: "
+                f"cpu {a[rows[:3]].tolist()} cuda {b[rows[:3]].tolist()}"
+            )
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS, ids=lambda v: f"V{v}")
+def test_verify_matches_cpu(vocab, dtype, method, kind, tree, rng):
+    if vocab < 4 and kind == "sparse":
+        pytest.skip("sparse drafts of 4 ids need 4 tokens")
+    for rep in range(3):
+        args, kw = batch_case(rng, vocab, dtype, kind, tree, batch=int(rng.integers(1, 24)))
+        cpu, gpu = run_both(args, kw, method)
+        assert_same(cpu, gpu, f"rep {rep}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [151936, 128256], ids=lambda v: f"V{v}")
+def test_verify_large_vocab(vocab, dtype, rng):
+    for method in METHODS:
+        for kind in KINDS:
+            args, kw = batch_case(rng, vocab, dtype, kind, True, batch=6, max_draft=4)
+            cpu, gpu = run_both(args, kw, method)
+            assert_same(cpu, gpu, f"{method} {kind}")
+
+
+def _row_params(rng, rows):
+    return dict(
+        temperature=rng.choice([0.0, 0.3, 1.0, 2.0], rows).astype(np.float32),
+        top_k=rng.choice([0, 1, 5, 50], rows).astype(np.int32),
+        top_p=rng.choice([1.0, 0.95, 0.5, 0.1], rows).astype(np.float32),
+        min_p=rng.choice([0.0, 0.0, 0.1], rows).astype(np.float32),
+        seed=rng.integers(0, 2**63, rows).astype(np.uint64),
+        position=rng.integers(0, 2**40, rows).astype(np.int64),
+    )
+
+
+def _logits(rng, rows, vocab, dtype, ties=False):
+    x = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    if ties:  # few distinct values: ties at the top-k / top-p cuts
+        x = np.round(x)
+    mask = rng.random((rows, vocab)) < 0.1
+    mask[:, 0] = False
+    x[mask] = -np.inf
+    return to_dtype(x, dtype)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 7, 111, 4099, 32000, 151936], ids=lambda v: f"V{v}")
+def test_sample_matches_cpu(vocab, dtype, method, ties, rng):
+    rows = 37
+    x = _logits(rng, rows, vocab, dtype, ties)
+    p = _row_params(rng, rows)
+    cpu = sf.sample(x, method=method, **p)
+    gpu = _cuda.sample(to_torch(x), method=method, check=True,
+                       **{k: to_torch(v) for k, v in p.items()})
+    np.testing.assert_array_equal(cpu, gpu.cpu().numpy())
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 111, 4099, 32000], ids=lambda v: f"V{v}")
+def test_probs_matches_cpu(vocab, dtype, ties, rng):
+    rows = 9
+    x = _logits(rng, rows, vocab, dtype, ties)
+    p = _row_params(rng, rows)
+    del p["seed"], p["position"]
+    cpu = sf.probs(x, **p)
+    gpu = _cuda.probs(to_torch(x), check=True, **{k: to_torch(v) for k, v in p.items()})
+    np.testing.assert_array_equal(cpu, gpu.cpu().numpy())
+
+
+def test_scalar_params_and_strided_rows(rng):
+    x = (rng.standard_normal((8, 300)) * 2).astype(np.float32)
+    wide = np.zeros((8, 320), np.float32)
+    wide[:, :300] = x
+    for kw in (dict(temperature=0.7, top_k=20, seed=5, position=9),
+               dict(temperature=1.0, top_p=0.8, seed=2**64 - 1, position=-3)):
+        cpu = sf.sample(x, **kw)
+        gpu = _cuda.sample(to_torch(wide)[:, :300], check=True, **kw)
+        np.testing.assert_array_equal(cpu, gpu.cpu().numpy())
+
+
+def test_device_num_draft_and_max_draft(rng):
+    args, kw = batch_case(rng, 500, "float32", "dense", True, batch=10)
+    logits, tokens, nd = args
+    cpu = sf.verify(logits, tokens, nd, **{**kw, "draft_probs": draft_arg(kw["draft_probs"])})
+    ckw = dict(kw, draft_probs=cuda_draft(kw["draft_probs"]), parents=to_torch(kw["parents"]))
+    gpu = _cuda.verify(to_torch(logits), to_torch(tokens), to_torch(nd),
+                       max_draft=int(nd.max()), check=True, **ckw)
+    assert_same(cpu, gpu, "device num_draft")
+
+
+def test_errors_are_reported(rng):
+    x = np.zeros((3, 50), np.float32)
+    x[1, 7] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        _cuda.sample(to_torch(x), check=True)
+    status = torch.empty(3, dtype=torch.int32, device=DEV)
+    _cuda.sample(to_torch(x), out={"status": status}, check=False)
+    assert status.cpu().tolist() == [0, 4 | 2 << 8, 0]
+    with pytest.raises(ValueError, match="draft token out of range"):
+        _cuda.verify(to_torch(np.zeros((4, 50), np.float32)),
+                     to_torch(np.array([1, 99], np.int32)), np.array([1, 1]), check=True)
+    with pytest.raises(ValueError, match="sampling parameter"):
+        _cuda.sample(to_torch(np.zeros((2, 5), np.float32)), top_p=to_torch(np.array([0.5, 2.0], np.float32)),
+                     check=True)
+
+
+def test_cuda_graph_capture(rng):
+    x = to_torch(_logits(rng, 16, 1000, "bfloat16"))
+    seed = torch.arange(16, device=DEV, dtype=torch.int64)
+    out = {"tokens": torch.empty(16, dtype=torch.int32, device=DEV),
+           "status": torch.empty(16, dtype=torch.int32, device=DEV)}
+    ref = _cuda.sample(x, seed=seed, position=3, check=True).clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _cuda.sample(x, seed=seed, position=3, out=out, check=False)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _cuda.sample(x, seed=seed, position=3, out=out, check=False)
+    out["tokens"].fill_(-7)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out["tokens"], ref)
