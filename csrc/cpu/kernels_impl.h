@@ -98,6 +98,9 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
         const int64_t end = (blk + 1) * SF_BLOCK < n ? (blk + 1) * SF_BLOCK : n;
         for (int64_t i = blk * SF_BLOCK; i < end; i += SF_W) {
             vf b;
+            /* Which q values are checked: all of them, or under a cut those
+             * of kept tokens only (so the vector width cannot matter). */
+            vi checked = vi_set(-1);
             if (from_row) {
                 vf x = load_chunk(r->data, r->dtype, i, n);
                 if (cut) {
@@ -114,18 +117,29 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
                     }
                     vf e = row_e(r, x);
                     b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
+                    checked = keep;
                 } else {
                     kept -= x > -INFINITY;
                     b = row_e(r, x); /* -inf (and padding) give 0 */
                 }
             } else {
                 b = load_floats(in->base, i, n);
+                if (cut && !vany(b != 0.0f)) {
+                    /* A filtered row's stored weights: where all are 0 the
+                     * residual is 0 whatever q is, so q is not read here. */
+                    if (store) {
+                        if (i + SF_W <= n) vstore(resid + i, vf_set(0.0f));
+                        else for (int j = 0; i + j < n; j++) resid[i + j] = 0.0f;
+                    }
+                    continue;
+                }
+                if (cut) checked = b != 0.0f;
             }
             vf rr;
             if (with_q) {
                 vf q = load_floats(in->q, i, n);
                 vi ok = (q >= 0.0f) & (q <= 1.001f); /* false for NaN */
-                qbad |= ~ok;
+                qbad |= ~ok & checked;
                 vmass_add(&qmass, vsel(ok, q, vf_set(0.0f)));
                 rr = vresid(b, scale, q);
             } else {
@@ -147,7 +161,7 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     out->total = total;
     out->kept = from_row ? k : 0;
     /* Under a cut only the chunks with kept tokens read q: no full sum. */
-    out->q_mass = with_q && !(cut && from_row) ? q_total : UINT64_MAX;
+    out->q_mass = with_q && !cut ? q_total : UINT64_MAX;
     out->q_bad = vany(qbad);
 }
 
