@@ -77,7 +77,8 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
     int32_t cur = -1, depth = 0;
     for (;;) {
         const void *row = row_ptr(c->logits, row0 + cur + 1);
-        const int64_t pos = p.position + depth;
+        /* Deeper rows' positions wrap modulo 2^64, as the Philox counter. */
+        const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth);
         int32_t accepted = -1, emit = -1;
         sf_status st;
         if (p.temperature == 0.0f || c->method == SF_COUPLED) {

@@ -672,7 +672,7 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_verify_kernel(sf_cu_verif
     for (;;) {
         const void *row = (const char *)a.logits + (size_t)((row0 + cur + 1) * a.row_stride) * esize;
         const bool al = sf_cu_aligned(row);
-        const int64_t pos = p.position + depth;
+        const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth); /* wraps, as on the CPU */
         int32_t accepted = -1, emit = -1;
         if (p.temperature == 0.0f || a.method == SF_COUPLED) {
             if (p.temperature == 0.0f) {
