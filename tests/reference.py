@@ -241,8 +241,8 @@ def tree_outcomes(p_rows, parents, tokens, q_rows) -> dict:
     return out
 
 
-def outcome_keys(result, b_slice=None):
-    """(path, final token) per request from a verify result (numpy)."""
+def outcome_keys(result):
+    """(path, final token) per request from a verify result (numpy); see outcome_counts."""
     tokens = np.asarray(result.tokens)
     nacc = np.asarray(result.num_accepted)
     nodes = np.asarray(result.accepted_nodes)
@@ -251,6 +251,32 @@ def outcome_keys(result, b_slice=None):
         a = int(nacc[b])
         keys.append((tuple(int(v) for v in nodes[b, :a]), int(tokens[b, a])))
     return keys
+
+
+def outcome_counts(result, mask=None) -> dict:
+    """{(path, final token): count} over the requests of a verify result (numpy).
+
+    ``mask`` (B,) bool restricts the count to some requests. Vectorised: the rows of
+    (accepted nodes, final token) are counted with np.unique, then named.
+    """
+    tokens = np.asarray(result.tokens)
+    nacc = np.asarray(result.num_accepted).astype(np.int64)
+    nodes = np.asarray(result.accepted_nodes).reshape(tokens.shape[0], -1)
+    final = tokens[np.arange(tokens.shape[0]), nacc]
+    table = np.concatenate([nodes, nacc[:, None], final[:, None]], axis=1)
+    if mask is not None:
+        table = table[np.asarray(mask)]
+    dims = np.maximum(table.max(axis=0, initial=0) + 2, 2).astype(np.int64)  # values >= -1
+    if np.prod(dims.astype(float)) < 2.0**62:  # one int64 per row: a fast 1-D unique
+        codes, counts = np.unique(np.ravel_multi_index((table + 1).T, dims), return_counts=True)
+        rows = np.stack(np.unravel_index(codes, dims), axis=1) - 1
+    else:
+        rows, counts = np.unique(table, axis=0, return_counts=True)
+    out = {}
+    for r, c in zip(rows, counts):
+        a = int(r[-2])
+        out[(tuple(int(v) for v in r[:a]), int(r[-1]))] = int(c)
+    return out
 
 
 def one_hot(tokens, vocab):

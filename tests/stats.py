@@ -118,21 +118,28 @@ def assert_transitions(prev, nxt, trans, what="", alpha=ALPHA):
     assert_counts(counts, trans, what, alpha)
 
 
-def assert_outcomes(keys, expected: dict, what="", alpha=ALPHA):
-    """Hashable outcomes (list) follow the exact distribution ``expected`` {key: prob}."""
+def assert_outcomes(observed, expected: dict, what="", alpha=ALPHA):
+    """Hashable outcomes follow the exact distribution ``expected`` {key: prob}.
+
+    ``observed`` is a list of outcomes or a {key: count} dict.
+    """
+    if not isinstance(observed, dict):
+        keys, observed = observed, {}
+        for k in keys:
+            observed[k] = observed.get(k, 0) + 1
     names = list(expected)
-    index = {k: i for i, k in enumerate(names)}
-    unknown = [k for k in keys if k not in index]
+    unknown = {k: c for k, c in observed.items() if k not in expected}
     assert not unknown, (
-        f"{what}: {len(unknown)} outcomes of probability 0, e.g. {sorted(set(unknown))[:5]}"
+        f"{what}: {sum(unknown.values())} outcomes of probability 0, "
+        f"e.g. {sorted(unknown)[:5]}"
     )
-    idx = np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys))
-    counts = np.bincount(idx, minlength=len(names))
+    counts = np.array([observed.get(k, 0) for k in names])
     probs = np.array([expected[k] for k in names])
+    total = max(int(counts.sum()), 1)
     try:
         assert_counts(counts, probs, what, alpha)
     except AssertionError as e:
-        rows = sorted(zip(names, counts / max(len(keys), 1), probs), key=lambda r: -r[2])
+        rows = sorted(zip(names, counts / total, probs), key=lambda r: -r[2])
         detail = "\n".join(f"    {k}: observed {o:.4f} expected {p:.4f}" for k, o, p in rows[:20])
         raise AssertionError(f"{e}\n  outcomes (path, token):\n{detail}") from None
 

@@ -6,6 +6,7 @@
   follow (tests/reference.py:tree_outcomes), and greedy chains agree token for token.
 """
 
+import argparse
 import json
 
 import numpy as np
@@ -25,8 +26,15 @@ from stats import assert_outcomes, scaled
 from specfast import _bench_cli as bench
 from specfast.cli import main
 
-torch = pytest.importorskip("torch")
-from specfast._torch_reference import torch_probs, torch_verify  # noqa: E402
+try:
+    import torch
+
+    from specfast._torch_reference import torch_probs, torch_verify
+except ImportError:  # the command still runs, without its torch column
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+IMPLS = bench.IMPLS if torch is not None else ("specfast", "numpy.max")
 
 B_COPIES = scaled(40_000)  # copies of one request per statistical test
 
@@ -37,14 +45,13 @@ B_COPIES = scaled(40_000)  # copies of one request per statistical test
 
 
 def test_bench_command_tiny_grid(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out_json = tmp_path / "bench.json"
     rc = main([
         "bench", "--batch", "1", "3", "--draft-len", "2", "--vocab", "1000",
         "--dtype", "float32", "bfloat16", "--method", "rejection", "coupled",
         "--draft-probs", "none", "dense", "sparse", "--filters", "none", "topk50-topp0.9",
-        "--repeats", "1", "--min-time", "0", "--no-progress",
-        "--json", str(out_json), "--plot", str(out_png),
+        "--repeats", "1", "--min-time", "0", "--no-progress", "--impl", *IMPLS,
+        "--json", str(out_json),
     ])
     assert rc == 0
     text = capsys.readouterr().out
@@ -53,16 +60,26 @@ def test_bench_command_tiny_grid(tmp_path, capsys):
     rows = data["rows"]
     assert len(rows) == 2 * 2 * 4 * 2  # batches x dtypes x (3 kinds + coupled) x filters
     for r in rows:
-        assert r["correct_specfast"] and r["correct_torch"], r["id"]
-        for impl in bench.IMPLS:
+        assert r["correct_specfast"] and r.get("correct_torch", True), r["id"]
+        for impl in IMPLS:
             assert r[f"time_{impl}"] > 0 and r[f"bytes_{impl}"] > 0
         assert 0 <= r["mean_accepted"] <= 2
     assert data["machine"]["cores"] >= 1
+
+
+def test_bench_command_plot_and_progress(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    out_png = tmp_path / "bench.png"
+    rc = main(["bench", "--batch", "1", "2", "4", "--draft-len", "1", "3", "--vocab", "500",
+               "--repeats", "1", "--min-time", "0", "--impl", *IMPLS, "--plot", str(out_png)])
+    assert rc == 0
+    assert "B4-K3-V500" in capsys.readouterr().out
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bars_are_the_five_cases_of_the_issue():
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     cases = bench._cases(parser.parse_args(["--bars"]))
     assert [c.id for c in cases] == [
@@ -104,6 +121,7 @@ FILTER_CASES = {
 }
 
 
+@needs_torch
 @pytest.mark.parametrize("vocab", [7, 111, 32000])
 @pytest.mark.parametrize("name", list(FILTER_CASES))
 def test_torch_probs_equal_specfast_probs(name, vocab, rng):
@@ -118,19 +136,19 @@ def test_torch_probs_equal_specfast_probs(name, vocab, rng):
 
 
 def _fixed_request(kind, rng, vocab=6, k=2):
-    """One request: K + 1 logits rows, K fixed drafts and their q (numpy, torch forms)."""
+    """One request: K + 1 logits rows, K fixed drafts, their q as dense float64 rows (for
+    the exact outcomes) and as verify takes it (None, dense, or (ids, values))."""
     rows = (rng.standard_normal((k + 1, vocab)) * 1.2).astype(np.float32)
     tokens = np.array([1, 3], np.int32)[:k]
     if kind == "dense":
         q = rng.dirichlet(np.ones(vocab), k).astype(np.float32)
         q /= q.sum(axis=1, keepdims=True)
-        return rows, tokens, q.astype(np.float64), q, torch.from_numpy(q)
+        return rows, tokens, q.astype(np.float64), q
     if kind == "sparse":
         ids = np.array([[1, 4, 0], [3, 2, 5]], np.int32)[:k]
         vals = np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]], np.float32)[:k]
-        return (rows, tokens, sparse_to_dense(ids, vals, vocab), (ids, vals),
-                (torch.from_numpy(ids), torch.from_numpy(vals)))
-    return rows, tokens, one_hot(tokens, vocab), None, None
+        return rows, tokens, sparse_to_dense(ids, vals, vocab), (ids, vals)
+    return rows, tokens, one_hot(tokens, vocab), None
 
 
 def _tile_q(q, batch, sparse):
@@ -141,6 +159,7 @@ def _tile_q(q, batch, sparse):
     return np.tile(q, (batch, 1))
 
 
+@needs_torch
 @pytest.mark.parametrize("filters", ["plain", "topk5-topp0.7-minp0.1"])
 @pytest.mark.parametrize("kind", ["none", "dense", "sparse", "coupled"])
 def test_torch_and_specfast_emit_the_exact_distribution(kind, filters, rng):
@@ -148,7 +167,7 @@ def test_torch_and_specfast_emit_the_exact_distribution(kind, filters, rng):
     frequencies (accepted path, emitted token) consistent with the exact distribution.
     Coupled verification with fixed drafts has the outcomes of one-hot q."""
     params = {**dict(top_k=0, top_p=1.0, min_p=0.0), **FILTER_CASES[filters]}
-    rows, tokens, q64, q_np, q_t = _fixed_request("none" if kind == "coupled" else kind, rng)
+    rows, tokens, q64, q_np = _fixed_request("none" if kind == "coupled" else kind, rng)
     params["top_p"], params["min_p"] = safe_params(
         rows, params["temperature"], params["top_k"], params["top_p"], params["min_p"])
     k = len(tokens)
@@ -175,13 +194,15 @@ def test_torch_and_specfast_emit_the_exact_distribution(kind, filters, rng):
     toks = tr.tokens.numpy()
     keys = [(tuple(range(a)), int(toks[i, a])) for i, a in enumerate(n)]
     assert_outcomes(keys, expected, f"torch {kind} {filters}")
-    # Mean accepted tokens agree too (a summary the bench table reports).
-    assert abs(n.mean() - res.num_accepted.mean()) < 0.05
+    # Mean accepted tokens agree too (a summary the bench table reports): within 8 sigma.
+    spread = np.sqrt((n.var() + res.num_accepted.var()) / b)
+    assert abs(n.mean() - res.num_accepted.mean()) <= 8 * spread + 1e-9
 
 
+@needs_torch
 @pytest.mark.parametrize("sampler", ["cdf", "multinomial"])
 def test_torch_residual_samplers_agree(sampler, rng):
-    rows, tokens, q64, q_np, _ = _fixed_request("dense", rng)
+    rows, tokens, q64, q_np = _fixed_request("dense", rng)
     expected = tree_outcomes(ref_probs(rows.astype(np.float64)), chain_parents(2), tokens, q64)
     b = scaled(20_000)
     g = torch.Generator().manual_seed(5)
@@ -192,6 +213,7 @@ def test_torch_residual_samplers_agree(sampler, rng):
     assert_outcomes(keys, expected, f"torch residual by {sampler}")
 
 
+@needs_torch
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_greedy_ragged_batch_equals_specfast(dtype, rng):
     """Temperature 0 is deterministic: on a ragged batch (0 to 4 drafts, some drafts the

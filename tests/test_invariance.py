@@ -45,7 +45,9 @@ def workload():
             out[f"probs-plain-{tag}"] = sf.probs(xl)
             pos = np.arange(rows) * 3
             for method in ["rejection", "coupled"]:
-                out[f"sample-{method}-{tag}"] = sf.sample(xl, **f, seed=5, position=pos, method=method)
+                out[f"sample-{method}-{tag}"] = sf.sample(
+                    xl, **f, seed=5, position=pos, method=method
+                )
     reqs = [random_request(rng, 203, 6, tree=bool(i % 2)) for i in range(600)]
     for kind in ["none", "dense", "sparse"]:
         args, kw = pack(reqs, kind)

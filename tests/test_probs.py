@@ -106,6 +106,8 @@ LN2 = math.log(2.0)
         ([0.0, 1.0, 2.0], dict(temperature=1e6), [1 / 3, 1 / 3, 1 / 3]),
         ([-6e4, -6e4, -6e4], {}, [1 / 3, 1 / 3, 1 / 3]),  # finite in float16 too
         ([5.0, 5.0, 5.0, 4.0], dict(top_k=2, top_p=0.4), [1, 0, 0, 0]),
+        ([1.0, 2.0, 2.0, 0.0], dict(temperature=1e-30), [0, 0.5, 0.5, 0]),
+        ([1.0, 2.0, 2.0, 0.0], dict(temperature=3e-39), [0, 0.5, 0.5, 0]),  # subnormal T
     ],
     ids=[
         "plain",
@@ -131,6 +133,8 @@ LN2 = math.log(2.0)
         "T=1e6",
         "all-very-negative",
         "top_k-then-top_p-ties",
+        "T=1e-30-ties",
+        "T=3e-39-subnormal",
     ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -185,7 +189,9 @@ def test_probs_strided_and_reordered_input(rng, dtype):
     view = wide[:, 3:114]
     dense = np.ascontiguousarray(view)
     np.testing.assert_array_equal(sf.probs(view, top_k=30), sf.probs(dense, top_k=30))
-    np.testing.assert_array_equal(sf.probs(dense[::-1], top_p=0.9), sf.probs(dense, top_p=0.9)[::-1])
+    np.testing.assert_array_equal(
+        sf.probs(dense[::-1], top_p=0.9), sf.probs(dense, top_p=0.9)[::-1]
+    )
 
 
 @pytest.mark.parametrize("vocab", [7, 32000], ids=lambda v: f"V={v}")

@@ -158,7 +158,9 @@ def test_sample_per_row_parameters(rng):
     for method in METHODS:
         all_rows = sf.sample(x, **params, method=method)
         for r in range(rows):
-            one = sf.sample(x[r : r + 1], **{k: v[r].item() for k, v in params.items()}, method=method)
+            one = sf.sample(
+                x[r : r + 1], **{k: v[r].item() for k, v in params.items()}, method=method
+            )
             assert one[0] == all_rows[r], f"row {r} ({method})"
 
 
@@ -227,7 +229,9 @@ def test_coupled_noise_is_shared_per_token_id(case, rng):
     # And the coupling must not be an accident of the positions: shifted positions are
     # independent draws, agreeing with probability sum_v p_v q_v.
     pos2 = np.concatenate([np.arange(n), np.arange(n) + n])
-    tok2 = sf.sample(logits, temperature=temps, top_k=ks, seed=2024, position=pos2, method="coupled")
+    tok2 = sf.sample(
+        logits, temperature=temps, top_k=ks, seed=2024, position=pos2, method="coupled"
+    )
     assert_rate((tok2[:n] == tok2[n:]).sum(), n, float(p @ q), f"independent ({case})")
 
 

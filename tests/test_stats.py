@@ -135,7 +135,8 @@ def test_tree_outcomes_marginal_is_target():
     for x in np.ndindex(V, V, V):
         drafts = np.array(x)
         w = q[x[0]] * q[x[1]] * q[x[2]]
-        total += w * marginal(tree_outcomes(rows, np.array([-1, -1, -1]), drafts, np.stack([q] * 3)))
+        qs = np.stack([q] * 3)
+        total += w * marginal(tree_outcomes(rows, np.array([-1, -1, -1]), drafts, qs))
     np.testing.assert_allclose(total, p, atol=1e-12)
     # three siblings without replacement
     total = np.zeros(V)

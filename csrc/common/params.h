@@ -6,7 +6,6 @@
 
 #include <math.h>
 
-#include "shared.h"
 #include "specfast.h"
 
 typedef struct sf_rowparams {
@@ -26,11 +25,6 @@ static inline void sf_params_get(const sf_params *p, int64_t b, sf_rowparams *r)
     r->min_p = SF_PICK(p, min_p, b);
     r->seed = SF_PICK(p, seed, b);
     r->position = SF_PICK(p, position, b);
-    /* A temperature so small that log2(e) / T overflows float is greedy in
-     * all but name (and would make the top token's exponent 0 * inf). */
-    if (r->temperature > 0.0f &&
-        !(SF_FMUL(1.0f / r->temperature, SF_LOG2E) < INFINITY))
-        r->temperature = 0.0f;
 }
 
 /* Checks the shape of `p` for `batch` requests and every value; on a bad

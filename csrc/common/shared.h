@@ -43,6 +43,14 @@
 #define SF_EXP2_MIN (-125.0f)
 #define SF_LOG2E 1.44269504088896341f
 
+/* 1 / T for T > 0, capped at FLT_MAX (as log2(e) / T must be too): a
+ * temperature so small that they overflow keeps its limit, all mass on the
+ * tied maxima, instead of turning 0 * inf into NaN. */
+SF_HD float sf_inv_temperature(float t) {
+    float inv = 1.0f / t;
+    return inv <= 3.40282347e38f ? inv : 3.40282347e38f;
+}
+
 /* Purposes: independent random streams at one (seed, position). */
 enum {
     SF_PURPOSE_ACCEPT = 1, /* index: sibling order at a node */

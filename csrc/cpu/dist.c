@@ -179,8 +179,9 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->dtype = dtype;
     r->vocab = vocab;
     r->max = m;
-    r->inv_t = 1.0f / p->temperature;
+    r->inv_t = sf_inv_temperature(p->temperature);
     r->c = SF_FMUL(r->inv_t, SF_LOG2E);
+    if (!(r->c <= FLT_MAX)) r->c = FLT_MAX;
     r->cut_logit = -INFINITY;
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;

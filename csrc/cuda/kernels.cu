@@ -101,12 +101,10 @@ __device__ sf_cu_params_row sf_cu_get_params(const sf_cuda_params &p, int64_t b)
     return r;
 }
 
-/* sf_params_check's test of one request, then params.h's greedy rule. */
+/* sf_params_check's test of one request. */
 __device__ bool sf_cu_params_ok(sf_cu_params_row &r) {
     bool ok = r.temperature >= 0.0f && r.temperature < INFINITY && r.top_k >= 0 &&
               r.top_p > 0.0f && r.top_p <= 1.0f && r.min_p >= 0.0f && r.min_p <= 1.0f;
-    if (r.temperature > 0.0f && !(SF_FMUL(1.0f / r.temperature, SF_LOG2E) < INFINITY))
-        r.temperature = 0.0f;
     return ok;
 }
 
@@ -368,8 +366,9 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const void *row, int64_t n, bool al,
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     if (threadIdx.x == 0) {
         d.r.max = m;
-        d.r.inv_t = 1.0f / p.temperature;
+        d.r.inv_t = sf_inv_temperature(p.temperature);
         d.r.c = SF_FMUL(d.r.inv_t, SF_LOG2E);
+        if (!(d.r.c <= 3.40282347e38f)) d.r.c = 3.40282347e38f;
         d.r.cut_logit = -INFINITY;
         d.r.cut_id = INT32_MAX;
         d.r.min_e = 0.0f;

@@ -1,0 +1,204 @@
+"""The decoding loop end to end on tiny random transformers models (seconds).
+
+Exactness is checked against references that do not share the loop: greedy
+and coupled sampling token by token with a full forward each step (no KV
+cache, no drafting), and rejection mode statistically against the exact joint
+distribution of the first tokens. The models run in float64 so that a forward
+over k + 1 positions and one over 1 position round to the same float32 logits;
+the real model (float32) is measured in test_decoder_smollm2.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import specfast  # noqa: E402
+from specfast.adapters.hf import HFModel  # noqa: E402
+from specfast.decoder import DraftLength, SpeculativeDecoder  # noqa: E402
+from specfast.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+
+from stats import assert_outcomes, scaled  # noqa: E402
+
+
+def tiny_model(vocab=48, seed=0, layers=2, scale=0.6):
+    """A random Llama small enough to run thousands of steps per second."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=scale, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    adapter = HFModel(model, None, name=f"tiny-{vocab}-{seed}")
+    adapter.eos_token_ids = []  # random models: no end of sequence
+    return adapter
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and a busy CI machine punishes
+    spinning thread pools)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return tiny_model(seed=1, layers=1)
+
+
+def full_logits(adapter, ids):
+    """Logits after ``ids``, by a full forward without cache (float32)."""
+    with torch.inference_mode():
+        out = adapter.model(input_ids=torch.tensor([ids]), use_cache=False)
+    return out.logits[0, -1:].float().numpy()
+
+
+def reference(adapter, prompt, n, **sampling):
+    """Plain decoding, token by token: specfast.sample at each absolute position."""
+    ids = list(prompt)
+    for _ in range(n):
+        tok = specfast.sample(full_logits(adapter, ids), position=len(ids), **sampling)
+        ids.append(int(tok[0]))
+    return ids[len(prompt):]
+
+
+PROMPTS = [[3, 7, 11, 3, 7, 11, 3, 7], [5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 9, 9]]
+
+
+@pytest.mark.parametrize("k", ["auto", 1, 4], ids=lambda k: f"k={k}")
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_greedy_matches_plain_decoding(target, draft_model, drafter, k):
+    d = NgramDrafter() if drafter == "ngram" else ModelDrafter(draft_model)
+    dec = SpeculativeDecoder(target, d, k=k)
+    for prompt in PROMPTS[:3]:
+        want = reference(target, prompt, 24, temperature=0.0)
+        got = dec.generate(prompt, 24)
+        assert got.tokens == want, prompt
+        assert got.finish_reason == "length"
+        assert SpeculativeDecoder(target).generate(prompt, 24).tokens == want
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                                    dict(temperature=1.3, top_p=0.8, min_p=0.05)],
+                         ids=["t1", "t0.7-topk5", "t1.3-topp-minp"])
+def test_coupled_matches_plain_coupled_sampling(target, draft_model, drafter, params):
+    d = NgramDrafter() if drafter == "ngram" else ModelDrafter(draft_model)
+    for seed, prompt in enumerate(PROMPTS[:2]):
+        want = reference(target, prompt, 20, seed=seed, method="coupled", **params)
+        got = SpeculativeDecoder(target, d, k=3).generate(
+            prompt, 20, seed=seed, method="coupled", **params)
+        assert got.tokens == want
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_batch_matches_single_prompts(target, draft_model, drafter):
+    """Ragged prompts, different acceptance per row, rows finishing early: each
+    row equals its own single-prompt run (greedy and coupled)."""
+    make = (lambda: NgramDrafter()) if drafter == "ngram" else (lambda: ModelDrafter(draft_model))
+    for kw in (dict(), dict(temperature=1.0, method="coupled")):
+        seeds = [11, 12, 13, 14]
+        singles = [SpeculativeDecoder(target, make(), k=4).generate(p, 40, seed=s, **kw).tokens
+                   for p, s in zip(PROMPTS, seeds)]
+        batch = SpeculativeDecoder(target, make(), k=4).generate(PROMPTS, 40, seed=seeds, **kw)
+        assert [g.tokens for g in batch] == singles
+
+
+def test_batch_rows_finish_at_different_times(target):
+    dec = SpeculativeDecoder(target, NgramDrafter())
+    eos_token = dec.generate(PROMPTS[0], 12).tokens[5]
+    target.eos_token_ids = [eos_token]
+    try:
+        out = dec.generate(PROMPTS, 30)
+        singles = [dec.generate(p, 30) for p in PROMPTS]
+    finally:
+        target.eos_token_ids = []
+    assert [g.tokens for g in out] == [g.tokens for g in singles]
+    assert out[0].finish_reason == "eos" and eos_token not in out[0].tokens
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_rejection_sampling_is_exact(drafter):
+    """The joint distribution of the first two tokens equals the target's."""
+    target, draft = tiny_model(vocab=6, seed=3, scale=0.4), tiny_model(vocab=6, seed=4, scale=0.4)
+    prompt = [1, 2, 1, 2, 1]
+    n = scaled(6000)
+    d = NgramDrafter(max_ngram=2, min_ngram=1) if drafter == "ngram" else ModelDrafter(draft)
+    out = SpeculativeDecoder(target, d, k=2).generate(
+        [prompt] * n, 2, temperature=1.0, seed=list(range(n)), method="rejection")
+    p1 = specfast.probs(full_logits(target, prompt))[0]
+    expected = {}
+    for a in range(6):
+        p2 = specfast.probs(full_logits(target, prompt + [a]))[0]
+        for b in range(6):
+            expected[(a, b)] = float(p1[a] * p2[b])
+    assert_outcomes([tuple(g.tokens) for g in out], expected, f"rejection/{drafter}")
+    total = sum(g.metrics.draft_n for g in out)
+    assert total > 0  # the drafter really drafted
+
+
+def test_stream_and_stop(target):
+    chunks = []
+    dec = SpeculativeDecoder(target, NgramDrafter())
+    g = dec.generate(PROMPTS[0], 16, stream=lambda i, toks, text: chunks.append((i, toks, text)))
+    assert [t for _, toks, _ in chunks for t in toks] == g.tokens
+    assert "".join(text for _, _, text in chunks) == g.text
+    # without a tokenizer text is ids joined by spaces: stop at the third token
+    stop = " ".join(map(str, g.tokens[2:4]))
+    s = dec.generate(PROMPTS[0], 16, stop=[stop])
+    assert s.finish_reason == "stop" and stop not in s.text
+
+
+def test_metrics_add_up(target):
+    dec = SpeculativeDecoder(target, NgramDrafter(), k=4)
+    g = dec.generate(PROMPTS[0], 30)
+    m = g.metrics
+    assert m.tokens == len(g.tokens) == 30
+    assert 0 <= m.draft_n_accepted <= m.draft_n
+    assert m.target_steps <= m.tokens and m.mean_accepted_length >= 1
+    assert sum(m.accepted_at) == m.draft_n_accepted
+    assert all(0 <= p <= 1 for p in m.per_position_acceptance)
+    assert m.t_total >= m.t_prefill + m.t_draft + m.t_target + m.t_verify - 1e-6
+    assert "tok/s" in m.summary()
+    plain = SpeculativeDecoder(target).generate(PROMPTS[0], 30).metrics
+    assert plain.draft_n == 0 and plain.target_steps == 30
+    rep = dec.memory_report()
+    assert rep["measured"]["target_params"] == rep["estimate"]["target_params"] > 0
+    assert 0 < rep["measured"]["target_kv_peak"] <= 2 * rep["estimate"]["target_kv"]
+
+
+def test_draft_length_controller():
+    c = DraftLength(max_k=8, probe_every=4)
+    c.start(2)
+    for k in (1, 2, 4, 8, 9):  # forward cost grows 10% per token
+        c.observe_target(k, 0.05 * (1 + 0.1 * (k - 1)))
+    c.observe_fixed(0.002)
+    for _ in range(30):
+        c.observe(0, 8, 8)  # request 0 always accepts
+        c.observe(1, 3, 0)  # request 1 never does
+    assert c.choose(0, 100) == 8
+    assert c.choose(0, 3) == 3  # never past the tokens left
+    ks = [c.choose(1, 100) for _ in range(8)]
+    assert ks.count(0) == 6 and max(ks) == c.probe_k  # off, with a probe every 4 steps
+    assert DraftLength(fixed=5).choose(0, 100) == 5
+
+
+def test_prompts_forms(target):
+    dec = SpeculativeDecoder(target)
+    assert isinstance(dec.generate([1, 2, 3], 2).tokens, list)
+    assert len(dec.generate([[1, 2, 3], [4]], 2)) == 2
+    with pytest.raises(ValueError):
+        dec.generate([1, 2], 2, method="nope")
+    with pytest.raises(ValueError):
+        SpeculativeDecoder(target, NgramDrafter(), k=-1)

@@ -1,0 +1,107 @@
+"""Every crash or wrong answer that fuzzing found, as a test.
+
+Each test below names the bug, the input that showed it and what the library
+must do instead. The last test replays the fuzz corpora (fuzz/corpus/api and
+fuzz/corpus/tree, whose regress-* files are inputs that once failed) through
+the harnesses' invariant checks, built with the system C compiler against the library that
+specfast loads, so the corpus keeps guarding the plain build too (fuzz/run.sh
+runs it under libFuzzer with ASan and UBSan).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import specfast as sf
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+INT64_MAX = 2**63 - 1
+
+
+def _wrap(position):
+    """A position as int64 after wrapping modulo 2^64."""
+    return (position + 2**63) % 2**64 - 2**63
+
+
+@pytest.mark.parametrize("method", ["rejection", "coupled"])
+@pytest.mark.parametrize("position", [INT64_MAX, INT64_MAX - 1, INT64_MAX - 63])
+def test_position_near_int64_max(method, position):
+    """Found by fuzz_api.c (UBSan): verify computed position + depth in int64, a signed
+    overflow (undefined behaviour) once a request accepted drafts near 2^63 - 1.
+    Every position the API accepts must work; the positions of deeper rows wrap modulo
+    2^64 like the Philox counter they key, so each emitted token equals what sample()
+    gives at the wrapped position."""
+    V, N = 16, 64
+    x = np.zeros((N + 1, V), np.float32)
+    x[:, 3] = 30.0  # p(3) = 1 - 1e-12: every draft of 3 is accepted
+    toks = np.full(N, 3, np.int32)
+    r = sf.verify(x, toks, np.array([N]), position=position, method=method, seed=5)
+    assert r.num_accepted[0] == N
+    assert np.all(r.tokens[0] == 3)
+    if method == "coupled":
+        y = x.copy()
+        y[:, 3] = 1.0  # a flatter row: the coupled token depends on the position
+        want = [sf.sample(y[d:d + 1], method="coupled", seed=5, position=_wrap(position + d))[0]
+                for d in range(N + 1)]
+        r = sf.verify(y, np.array(want[:N], np.int32), np.array([N]), position=position,
+                      method="coupled", seed=5)
+        assert r.num_accepted[0] == N and list(r.tokens[0]) == want
+
+
+@pytest.mark.parametrize("T", [2.95e-39, 3.0e-39, 3.5e-39, 4.0e-39, 4.2e-39])
+def test_temperature_whose_scale_overflows(T):
+    """Found by fuzz_api.c: a temperature in about (2.9e-39, 4.3e-39) has a finite 1/T but
+    an infinite 1/T * log2(e), so the top token's exponent was 0 * inf = NaN: probs()
+    returned rows summing to 2, sample() returned token -1 (out of range), and the
+    fixed-point conversion of NaN was undefined behaviour. Such a temperature must act
+    like any tiny one: greedy on a unique maximum."""
+    x = np.array([[0.0, 1.0, 1.0 - 2**-10, -np.inf], [5.0, -1.0, 4.0, 4.5]], np.float32)
+    p = sf.probs(x, temperature=T)
+    assert np.all(np.isfinite(p))
+    np.testing.assert_array_equal(p, [[0, 1, 0, 0], [1, 0, 0, 0]])
+    for kw in (dict(), dict(top_p=0.5), dict(top_k=2), dict(min_p=0.5)):
+        assert list(sf.sample(x, temperature=T, seed=1, **kw)) == [1, 0]
+        assert list(sf.sample(x, temperature=T, seed=1, method="coupled", **kw)) == [1, 0]
+    r = sf.verify(np.concatenate([x[:1], x[:1]]), np.array([1]), np.array([1]),
+                  temperature=T)
+    assert r.num_accepted[0] == 1 and list(r.tokens[0]) == [1, 1]
+
+
+# --------------------------------------------------------------------------------------
+# the corpus, replayed through the harness's checks
+# --------------------------------------------------------------------------------------
+
+
+def _compiler():
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+@pytest.mark.parametrize("harness", ["api", "tree"])
+def test_replay_fuzz_corpus(tmp_path, harness):
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C compiler to build the corpus replayer")
+    lib_path = pathlib.Path(importlib.import_module("specfast._lib")._library_path())
+    if not lib_path.exists():
+        pytest.skip(f"no library file at {lib_path}")
+    exe = tmp_path / "replay"
+    cmd = [cc, "-O1", "-std=c11", "-I", str(ROOT / "csrc" / "include"),
+           str(ROOT / "fuzz" / f"fuzz_{harness}.c"), str(ROOT / "fuzz" / "replay_main.c"),
+           str(lib_path), f"-Wl,-rpath,{lib_path.parent}", "-lm", "-o", str(exe)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    corpus = ROOT / "fuzz" / "corpus" / harness
+    files = sorted(p for p in corpus.iterdir() if p.is_file())
+    assert files, "the fuzz corpus is empty"
+    proc = subprocess.run([str(exe), str(corpus)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-3000:])
+    assert f"replayed {len(files)} inputs" in proc.stdout
