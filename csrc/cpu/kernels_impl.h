@@ -185,16 +185,24 @@ static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     }
 }
 
+/* No Philox word gives Gumbel noise above this (sf_gumbel of word 0). */
+#define SF_GUMBEL_MAX 23.0f
+
 /* A Philox word at or above this cannot give Gumbel noise above g:
  * G(w) > g needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g)) < exp(-g).
  * Doubled, plus slack, to stay safe against rounding; only speed depends on
- * it. Every key is (l - max) / T + G <= G, so one bound from the best key so
- * far serves all tokens. */
-static inline uint32_t noise_bound(float best) {
-    if (!(best > 1.0f)) return UINT32_MAX;
-    if (best > 30.0f) return 0; /* no word gives G above 23 */
-    float u = sf_exp2(-best * SF_LOG2E);
+ * it. */
+static inline uint32_t noise_bound(float g) {
+    if (!(g > 1.0f)) return UINT32_MAX;
+    if (g > SF_GUMBEL_MAX) return 0;
+    float u = sf_exp2(-g * SF_LOG2E);
     return (uint32_t)(u * 8589934592.0f) + 4096u; /* 2 u 2^32 */
+}
+
+static inline float hmax(vf x) {
+    float m = x[0];
+    for (int j = 1; j < SF_W; j++) m = x[j] > m ? x[j] : m;
+    return m;
 }
 
 static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) {
@@ -202,21 +210,25 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
      * sf_noise_word), computed SF_W blocks per vector call. */
     enum { PER = 64 / SF_W, CALLS = 16 / SF_W };
     const int64_t n = r->vocab;
-    float best = -INFINITY;
-    int64_t best_id = -1;
-    uint32_t bound = UINT32_MAX;
-    for (int64_t i0 = 0; i0 < n && bound > 0; i0 += 64) {
+    /* Start from the most probable token (always kept): on a peaked row its
+     * key rules out most others before any of their noise is drawn. */
+    int64_t best_id = row_argmax(r->data, r->dtype, n, r->max);
+    float best = sf_gumbel(sf_noise_word(seed, position, best_id));
+    for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 64) {
         vf s[PER];
-        vi keep[PER], any = vi_set(0);
+        vi keep[PER];
+        vf smax = vf_set(-INFINITY);
         for (int c = 0; c < PER; c++) {
             const int64_t i = i0 + c * SF_W;
             vf x = i < n ? load_chunk(r->data, r->dtype, i, n) : vf_set(-INFINITY);
             keep[c] = above_cut(r, x, i);
             if (r->min_e > 0.0f) keep[c] &= row_e(r, x) >= r->min_e;
-            s[c] = scaled(r, x);
-            any |= keep[c];
+            s[c] = vsel(keep[c], scaled(r, x), vf_set(-INFINITY));
+            smax = vsel(s[c] > smax, s[c], smax);
         }
-        if (!vany(any)) continue;
+        /* A token's key is s + G with G <= SF_GUMBEL_MAX. */
+        const uint32_t bound = noise_bound(best - hmax(smax));
+        if (bound == 0) continue;
         vu w[CALLS][4];
         for (int h = 0; h < CALLS; h++)
             vphilox(seed, position, SF_PURPOSE_NOISE,
@@ -229,11 +241,11 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
             if (!vany(cand)) continue;
             for (int j = 0; j < SF_W; j++) {
                 if (!cand[j]) continue;
+                const int64_t id = i0 + c * SF_W + j;
                 float key = SF_FADD(s[c][j], sf_gumbel(word[j]));
-                if (key > best || best_id < 0) {
+                if (key > best || (key == best && id < best_id)) {
                     best = key;
-                    best_id = i0 + c * SF_W + j;
-                    bound = noise_bound(best);
+                    best_id = id;
                 }
             }
         }
