@@ -237,7 +237,12 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
          * call covering lanes (c SF_W) % 16 onwards. */
         for (int c = 0; c < PER; c++) {
             const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
-            vi cand = keep[c] & ((vi)(word < bound) | (bound == UINT32_MAX ? -1 : 0));
+            /* Per token: noise above g = best - s needs a word below about
+             * 2^32 exp(-g) (noise_bound, here in vector form). */
+            vf g = best - s[c];
+            g = vsel(g > 0.0f, g, vf_set(0.0f));
+            vf lim = vexp2(g * -SF_LOG2E) * 8589934592.0f + 4096.0f;
+            vi cand = keep[c] & (__builtin_convertvector(word, vf) < lim);
             if (!vany(cand)) continue;
             for (int j = 0; j < SF_W; j++) {
                 if (!cand[j]) continue;
