@@ -418,7 +418,7 @@ def _ms(t):
 
 def format_table(rows) -> str:
     head = ("case", "specfast ms", "numpy.max ms", "torch ms", "x floor", "vs torch",
-            "accepted", "GB/s")
+            "accepted", "GB/s", "floor GB/s")
     lines = []
     for r in rows:
         lines.append((
@@ -428,6 +428,7 @@ def format_table(rows) -> str:
             f"{r['speedup_torch']:.1f}x" if "speedup_torch" in r else "-",
             f"{r['mean_accepted']:.2f}" if "mean_accepted" in r else "-",
             f"{r['gbps_specfast']:.1f}" if "gbps_specfast" in r else "-",
+            f"{r['gbps_numpy.max']:.1f}" if "gbps_numpy.max" in r else "-",
         ))
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h)
               for i, h in enumerate(head)]
@@ -522,18 +523,22 @@ def check_bars(rows) -> list:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Time specfast.verify against numpy.max and torch (medians)."
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     a = parser.add_argument
     a("--bars", action="store_true",
       help="run exactly the five bar cases and print pass/fail (exit status stays 0)")
     a("--full", action="store_true", help="the whole grid of issue 3 (long)")
-    a("--batch", type=int, nargs="+", default=[1, 16, 64], metavar="B")
-    a("--draft-len", type=int, nargs="+", default=[4], metavar="K")
-    a("--vocab", type=int, nargs="+", default=[32000, 151936], metavar="V")
-    a("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"])
+    a("--batch", type=int, nargs="+", default=[1, 16, 64], metavar="B", help="requests")
+    a("--draft-len", type=int, nargs="+", default=[4], metavar="K",
+      help="draft tokens per request")
+    a("--vocab", type=int, nargs="+", default=[32000, 151936], metavar="V", help="vocabulary")
+    a("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+      help="of the target logits")
     a("--method", nargs="+", default=["rejection"], choices=["rejection", "coupled"])
     a("--draft-probs", nargs="+", default=["dense"], choices=["none", "dense", "sparse"],
       help="the kind of q for rejection (coupled always runs without q)")
-    a("--filters", nargs="+", default=["none"], choices=list(FILTERS))
+    a("--filters", nargs="+", default=["none"], choices=list(FILTERS),
+      help="none, or top_k=50 and top_p=0.9")
     a("--source", nargs="+", default=["correlated"], choices=["correlated", "independent"],
       help="the drafter: correlated with the target, or independent of it")
     a("--impl", nargs="+", default=list(IMPLS), choices=list(IMPLS))
@@ -541,11 +546,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--min-time", type=float, default=0.05,
       help="seconds per sample; short calls are looped")
     a("--threads", type=int, default=None, help="specfast threads (default: all cores)")
+    a("--torch-threads", type=int, default=None, help="torch threads (default: torch's)")
     a("--max-gb", type=float, default=MAX_GB, help="skip cases with larger inputs")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="of the synthetic inputs")
     a("--json", metavar="PATH", help="save the table (and the machine) as JSON")
     a("--plot", metavar="PATH", help="save a PNG of time against batch size")
-    a("--no-progress", action="store_true")
+    a("--no-progress", action="store_true", help="no progress bar")
 
 
 def _cases(args) -> list:
@@ -568,6 +574,10 @@ def run(args) -> int:
 
     if args.threads is not None:
         specfast.set_num_threads(args.threads)
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     cases = _cases(args)
     skipped = [c for c in cases if c.input_bytes > args.max_gb * 1e9]
     cases = [c for c in cases if c.input_bytes <= args.max_gb * 1e9]
@@ -594,7 +604,8 @@ def run(args) -> int:
              else "")
           + (f"; load average {info['load_average'][0]}" if "load_average" in info else ""))
     print(f"# medians of {args.repeats}, interleaved; x floor = specfast / numpy.max, "
-          "vs torch = torch / specfast")
+          "vs torch = torch / specfast; accepted = mean accepted drafts (specfast); "
+          "GB/s = bytes the call must read / time")
     print(format_table(rows))
     for c in skipped:
         print(f"skipped {c.id}: inputs {c.input_bytes / 1e9:.1f} GB > --max-gb {args.max_gb}")

@@ -15,8 +15,9 @@ with no Python loop per request or token:
   ``E ~ Exp(1)`` (the exponential race), and accept while the draft equals it.
 
 The semantics follow ALGORITHMS.md (filter order, a zero q(x) rejects; ties rank the lower
-token id first on the sort path, in torch.topk's order on the top-k path); the random streams are torch's own, so the tokens differ from specfast's draw by
-draw but follow the same distribution (tests/test_bench_cli.py checks that).
+token id first on the sort path, in torch.topk's order on the top-k path). The random
+streams are torch's own, so the tokens differ from specfast's draw by draw but follow the
+same distribution (tests/test_bench_cli.py checks that).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _draw(weights, generator, sampler):
     return torch.searchsorted(c, u, right=True)[:, 0].clamp_max(c.shape[1] - 1)
 
 
-def _layout(num_draft, rows, vocab, dev):
+def _layout(num_draft, dev):
     """Row index (B, K + 1) of each (request, depth) and the valid mask (B, K)."""
     nd = num_draft.to(device=dev, dtype=torch.int64)
     start = torch.cumsum(nd + 1, 0) - (nd + 1)
@@ -163,7 +164,7 @@ def torch_verify(target_logits, draft_tokens, num_draft, *, draft_probs=None,
     rows, vocab = target_logits.shape
     num_draft = torch.as_tensor(num_draft)
     draft_tokens = torch.as_tensor(draft_tokens).to(device=dev, dtype=torch.int64)
-    nd, kmax, row, node, valid = _layout(num_draft, rows, vocab, dev)
+    nd, kmax, row, node, valid = _layout(num_draft, dev)
     batch = nd.numel()
     uniform = bool((nd == kmax).all())
 
