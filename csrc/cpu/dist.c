@@ -169,7 +169,7 @@ sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
 
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
-                          const sf_rowparams *p, int need_mass) {
+                          const sf_rowparams *p, int need_mass, const void *next) {
     int bad = 0;
     float m = k->row_max(data, dtype, vocab, &bad);
     if (bad) return SF_ERR_LOGITS;
@@ -185,6 +185,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->cut_logit = -INFINITY;
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;
+    r->next = NULL;
 
     int64_t nc = -1; /* sorted top-k candidates, when top-k ran */
     uint64_t *keys = NULL;
@@ -225,7 +226,9 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
          * residual passes then read it instead of recomputing the exp. */
         float *keep_e = d->resid[0];
         sf_weights_out o;
+        r->next = next;
         weights_all(k, r, &d->in, d->blocks, keep_e, &o);
+        r->next = NULL;
         d->total = o.total;
         if (keep_e) {
             d->in.base = keep_e;

@@ -30,10 +30,11 @@ typedef struct sf_dist {
 /* Reads a row's max and finds the cut of its filters (temperature > 0).
  * With need_mass, also forms its weights, total and block sums in `d`; when
  * d->resid[0] is set, the weights are stored there and read from it after.
+ * `next` (or NULL) is a row to prefetch meanwhile.
  * Returns SF_ERR_LOGITS or SF_ERR_ALL_MASKED for a bad row. */
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
-                          const sf_rowparams *p, int need_mass);
+                          const sf_rowparams *p, int need_mass, const void *next);
 
 /* Greedy token of a row (the first largest logit), or an error status. */
 sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,

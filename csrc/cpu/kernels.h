@@ -26,6 +26,9 @@ typedef struct sf_row {
     float cut_logit;
     int32_t cut_id;
     float min_e;
+    /* A row the caller will likely read next (or NULL): a weights pass over
+     * this row prefetches it, so its max pass reads from cache. */
+    const void *next;
 } sf_row;
 
 /* Where a weights pass takes its base values b(v): from the row (b = e when

@@ -86,6 +86,7 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     const int64_t n = r->vocab;
     const float scale = in->scale;
     const int64_t first = in->first_block;
+    const int64_t es = r->dtype == SF_F32 ? 4 : 2;
     int64_t stop = (n + SF_BLOCK - 1) / SF_BLOCK;
     if (in->n_blocks > 0 && first + in->n_blocks < stop) stop = first + in->n_blocks;
     if (store) resid -= first * SF_BLOCK;
@@ -102,6 +103,8 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
              * of kept tokens only (so the vector width cannot matter). */
             vi checked = vi_set(-1);
             if (from_row) {
+                if (r->next)
+                    __builtin_prefetch((const char *)r->next + i * es, 0, 2);
                 vf x = load_chunk(r->data, r->dtype, i, n);
                 if (cut) {
                     vi keep = above_cut(r, x, i);

@@ -77,6 +77,9 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
     int32_t cur = -1, depth = 0;
     for (;;) {
         const void *row = row_ptr(c->logits, row0 + cur + 1);
+        /* The first child's row is next if it is accepted. */
+        const void *next_row =
+            first[cur + 1] >= 0 ? row_ptr(c->logits, row0 + first[cur + 1] + 1) : NULL;
         /* Deeper rows' positions wrap modulo 2^64, as the Philox counter. */
         const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth);
         int32_t accepted = -1, emit = -1;
@@ -86,14 +89,14 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
             if (p.temperature == 0.0f) {
                 st = sf_row_greedy(c->k, row, c->logits->dtype, vocab, &emit);
             } else {
-                st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0);
+                st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, NULL);
                 if (st == SF_OK) emit = (int32_t)c->k->coupled_argmax(&d.row, p.seed, pos);
             }
             if (st != SF_OK) return st;
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch])
                 if (tok[ch] == emit) { accepted = ch; break; }
         } else {
-            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1);
+            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1, next_row);
             if (st != SF_OK) return st;
             uint32_t j = 0;
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch], j++) {
