@@ -8,8 +8,10 @@
 
 #include "rowmath.h"
 
-/* Tokens between two top-p pivots that are sorted rather than bisected. */
+/* Tokens between two pivots of a cut scan that are sorted, not bisected. */
 #define SF_TOP_P_SORT 4096
+/* Up to this top_k a one-pass reservoir finds the cut; above, a cut scan. */
+#define SF_TOP_K_RESERVOIR 4096
 
 /* A lone request's row is split across threads from this many tokens. */
 #define SF_SPLIT_VOCAB 16384
@@ -94,14 +96,21 @@ static uint64_t mass_of(const sf_row *r, float l) {
     return sf_fixed(sf_row_e(r, l));
 }
 
-/* Walks sorted candidates after `base` mass until the prefix reaches `goal`;
+/* Walks sorted candidates after a prefix of `base_mass` and `base_count`
+ * until the prefix reaches the goal (a mass, or a count when goal_count > 0);
  * sets the cut there. Returns 1 when it did. */
-static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n,
-                       uint64_t base, double goal) {
-    uint64_t prefix = base;
+static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n, uint64_t base_mass,
+                       int64_t base_count, double goal_mass, int64_t goal_count) {
+    uint64_t prefix = base_mass;
     for (int64_t i = 0; i < n; i++) {
-        prefix += mass_of(r, key_logit(keys[i]));
-        if ((double)prefix >= goal) {
+        int reached;
+        if (goal_count > 0) {
+            reached = base_count + i + 1 >= goal_count;
+        } else {
+            prefix += mass_of(r, key_logit(keys[i]));
+            reached = (double)prefix >= goal_mass;
+        }
+        if (reached) {
             r->cut_logit = key_logit(keys[i]);
             r->cut_id = key_id(keys[i]);
             return 1;
@@ -110,12 +119,14 @@ static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n,
     return 0;
 }
 
-/* Mass and count of the tokens with logit >= t (min-p not applied). */
-static void mass_above(const sf_kernels *k, const sf_row *r, float t,
+/* Mass and count of the tokens at or above the cut (t, id) (min-p not
+ * applied). */
+static void mass_above(const sf_kernels *k, const sf_row *r, float t, int32_t id,
                        uint64_t *mass, int64_t *count) {
     sf_row at = *r;
     at.cut_logit = t;
-    at.cut_id = INT32_MAX;
+    at.cut_id = id;
+    at.min_e = 0.0f;
     sf_weights_in in = {NULL, 1.0f, NULL, 0, 0};
     sf_weights_out o;
     weights_all(k, &at, &in, NULL, NULL, &o);
@@ -123,25 +134,27 @@ static void mass_above(const sf_kernels *k, const sf_row *r, float t,
     *count = o.kept;
 }
 
-/* Top-p over the whole row: bisect on the logit until few tokens lie between
- * the pivots, then sort just those. Masses are exact integers, so the cut is
- * the same whatever the order of the passes. */
-static sf_status cut_top_p_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
-                                float temperature, float top_p) {
-    uint64_t total, m_lo, m_hi = 0, m_mid;
-    int64_t c_lo, c_hi = 0, c_mid;
-    mass_above(k, r, -INFINITY, &total, &c_lo);
-    const double goal = (double)top_p * (double)total;
-    /* Below max - 88 T every weight is 0: such tokens never end the prefix. */
+/* The cut of a prefix that reaches a goal over the whole row: a mass (top-p)
+ * or, when goal_count > 0, a count (a large top-k). Bisects on the logit until
+ * few tokens lie between the pivots, then sorts just those. Counts and masses
+ * are exact integers, so the cut is the same whatever the order of the
+ * passes. Tokens below max - 88 T weigh 0: a cut among them changes no
+ * probability, so a count reaching below there keeps the whole row. */
+static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
+                          float temperature, double goal_mass, int64_t goal_count) {
     float lo = r->max - 88.0f * temperature;
     if (!(lo > -FLT_MAX)) lo = -FLT_MAX;
+    uint64_t m_lo, m_hi = 0, m_mid;
+    int64_t c_lo, c_hi = 0, c_mid;
+    mass_above(k, r, lo, INT32_MAX, &m_lo, &c_lo);
+    if (goal_count > 0 && c_lo <= goal_count) return SF_OK;
     float hi = INFINITY;
-    m_lo = total;
     for (;;) {
         float mid = hi == INFINITY ? r->max : lo * 0.5f + hi * 0.5f;
         if (c_lo - c_hi <= SF_TOP_P_SORT || mid <= lo || mid >= hi) break;
-        mass_above(k, r, mid, &m_mid, &c_mid);
-        if ((double)m_mid >= goal) { lo = mid; m_lo = m_mid; c_lo = c_mid; }
+        mass_above(k, r, mid, INT32_MAX, &m_mid, &c_mid);
+        int reached = goal_count > 0 ? c_mid >= goal_count : (double)m_mid >= goal_mass;
+        if (reached) { lo = mid; m_lo = m_mid; c_lo = c_mid; }
         else { hi = mid; m_hi = m_mid; c_hi = c_mid; }
     }
     (void)m_lo;
@@ -153,7 +166,7 @@ static sf_status cut_top_p_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
     int64_t got = k->gather(r, lo, hi, ids, vals, n);
     if (got > n) got = n;
     sort_candidates(ids, vals, got, keys);
-    cut_at_goal(r, keys, got, m_hi, goal);
+    cut_at_goal(r, keys, got, m_hi, c_hi, goal_mass, goal_count);
     return SF_OK;
 }
 
@@ -187,9 +200,9 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->min_e = 0.0f;
     r->next = NULL;
 
-    int64_t nc = -1; /* sorted top-k candidates, when top-k ran */
+    int64_t nc = -1; /* sorted top-k candidates, when the reservoir ran */
     uint64_t *keys = NULL;
-    if (p->top_k > 0 && p->top_k < vocab) {
+    if (p->top_k > 0 && p->top_k < vocab && p->top_k <= SF_TOP_K_RESERVOIR) {
         int64_t cap = 2 * (int64_t)p->top_k + 1024;
         int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)cap * 4);
         float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)cap * 4);
@@ -201,14 +214,22 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
             r->cut_logit = key_logit(keys[nc - 1]);
             r->cut_id = key_id(keys[nc - 1]);
         }
+    } else if (p->top_k > 0 && p->top_k < vocab) {
+        sf_status st = cut_scan(r, k, s, p->temperature, 0.0, p->top_k);
+        if (st != SF_OK) return st;
     }
     if (p->top_p < 1.0f) {
         if (nc >= 0) {
             uint64_t total = 0;
             for (int64_t i = 0; i < nc; i++) total += mass_of(r, key_logit(keys[i]));
-            cut_at_goal(r, keys, nc, 0, (double)p->top_p * (double)total);
+            cut_at_goal(r, keys, nc, 0, 0, (double)p->top_p * (double)total, 0);
         } else {
-            sf_status st = cut_top_p_scan(r, k, s, p->temperature, p->top_p);
+            /* The mass of what top-k kept (the whole row without top-k). */
+            uint64_t kept_mass;
+            int64_t kept_count;
+            mass_above(k, r, r->cut_logit, r->cut_id, &kept_mass, &kept_count);
+            sf_status st = cut_scan(r, k, s, p->temperature,
+                                    (double)p->top_p * (double)kept_mass, 0);
             if (st != SF_OK) return st;
         }
     }

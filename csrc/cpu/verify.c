@@ -137,9 +137,31 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
     return SF_OK;
 }
 
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Whether ids (n, -1 = unused) repeat one: pairwise for small n, else sorted
+ * in `scratch` (n ints). */
+static int has_duplicate(const int32_t *ids, int64_t n, int32_t *scratch) {
+    if (n <= 32) {
+        for (int64_t a = 1; a < n; a++)
+            for (int64_t z = 0; z < a; z++)
+                if (ids[a] >= 0 && ids[z] == ids[a]) return 1;
+        return 0;
+    }
+    memcpy(scratch, ids, (size_t)n * sizeof *ids);
+    qsort(scratch, (size_t)n, sizeof *scratch, cmp_i32);
+    for (int64_t a = 1; a < n; a++)
+        if (scratch[a] >= 0 && scratch[a] == scratch[a - 1]) return 1;
+    return 0;
+}
+
 /* Checks everything that is cheap to check before any row is read. */
 static sf_status check_draft(const sf_draft *d, const sf_logits *l,
-                             int64_t *node_off, int64_t max_draft, int64_t *index) {
+                             int64_t *node_off, int64_t max_draft, int64_t *index,
+                             int32_t *scratch) {
     *index = -1;
     if (d->batch < 0 || d->batch > SF_MAX_BATCH || d->n < 0) return SF_ERR_SHAPE;
     if ((d->n > 0 && !d->tokens) || (d->batch > 0 && !d->num_draft))
@@ -174,11 +196,10 @@ static sf_status check_draft(const sf_draft *d, const sf_logits *l,
                 if (ids[a] < -1 || ids[a] >= l->vocab || !(pr[a] >= 0.0f && pr[a] <= 1.001f) ||
                     (ids[a] == -1 && pr[a] != 0.0f))
                     return SF_ERR_DRAFT_PROBS;
-                for (int64_t z = 0; z < a && ids[a] >= 0; z++)
-                    if (ids[z] == ids[a]) return SF_ERR_DRAFT_PROBS;
                 sum += pr[a];
             }
-            if (!(fabs(sum - 1.0) <= 1e-3)) return SF_ERR_DRAFT_PROBS;
+            if (!(fabs(sum - 1.0) <= 1e-3) || has_duplicate(ids, d->sparse_k, scratch))
+                return SF_ERR_DRAFT_PROBS;
         }
     }
     *index = -1;
@@ -200,8 +221,12 @@ SF_API sf_status sf_verify(const sf_logits *logits, const sf_draft *draft,
     int64_t *node_off = NULL;
     if (st == SF_OK) {
         node_off = malloc((size_t)(draft->batch > 0 ? draft->batch : 1) * sizeof *node_off);
-        st = node_off ? check_draft(draft, logits, node_off, out->max_draft, &index)
-                      : SF_ERR_NO_MEMORY;
+        int32_t *ids = draft->kind == SF_DRAFT_SPARSE && draft->sparse_k > 32
+                           ? malloc((size_t)draft->sparse_k * sizeof *ids) : NULL;
+        st = !node_off || (draft->kind == SF_DRAFT_SPARSE && draft->sparse_k > 32 && !ids)
+                 ? SF_ERR_NO_MEMORY
+                 : check_draft(draft, logits, node_off, out->max_draft, &index, ids);
+        free(ids);
     }
     if (st == SF_OK) {
         verify_ctx c = {logits, draft, params, method, out, node_off, sf_cpu_kernels()};

@@ -12,7 +12,9 @@ from ._lib import check, ffi, lib
 _METHODS = {"rejection": 0, "coupled": 1}
 _F32, _F16, _BF16 = 0, 1, 2
 _LOGIT_DTYPES = {np.dtype(np.float32): _F32, np.dtype(np.float16): _F16}
-_MAX_VOCAB = 1 << 24
+_MAX_VOCAB = 1 << 24  # SF_MAX_VOCAB, SF_MAX_DRAFT, SF_MAX_BATCH of specfast.h
+_MAX_DRAFT = 1024
+_MAX_BATCH = 1 << 20
 
 
 class SparseProbs:
@@ -410,6 +412,10 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         lowest, max_draft, total = int(nd.min()), int(nd.max()), int(nd.sum(dtype=np.int64))
     if lowest < 0:
         raise ValueError("num_draft must be >= 0")
+    if max_draft > _MAX_DRAFT:
+        raise ValueError(f"num_draft: at most {_MAX_DRAFT} draft nodes per request, got {max_draft}")
+    if batch > _MAX_BATCH:
+        raise ValueError(f"num_draft: at most {_MAX_BATCH} requests per call, got {batch}")
     if total != n:
         raise ValueError(f"sum(num_draft) = {total} but draft_tokens has {n} entries")
     if a.shape[0] != n + batch:

@@ -89,10 +89,15 @@ class Drafter:
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup: find the latest earlier occurrence of the context's last
-    n tokens (n from ``max_ngram`` down to ``min_ngram``) and propose what
-    followed it. Model-free and deterministic; an index of n-gram -> latest end
-    position is updated incrementally, so a lookup costs O(new tokens).
+    """Prompt lookup: find earlier occurrences of the context's last n tokens
+    (n from ``max_ngram`` down to ``min_ngram``) and propose what followed.
+
+    Among the occurrences of the longest matching n-gram it takes the latest
+    one whose continuation holds all k tokens (a copy being written out
+    matches itself near the end of the context, where the continuation is
+    cut short), else the one with the longest continuation. Model-free and
+    deterministic; an index of n-gram -> end positions is updated
+    incrementally, so a lookup costs O(new tokens + candidates).
 
     Examples
     --------
@@ -104,10 +109,10 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, candidates: int = 8):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
         self._index: list = []
         self._indexed: list = []
 
@@ -116,12 +121,13 @@ class NgramDrafter(Drafter):
         self._indexed = [0 for _ in contexts]
 
     def _update(self, i, ctx):
-        # index n-grams ending at positions < len(ctx) - 1 (never the suffix itself)
+        # index n-grams ending at positions < len(ctx) - 1 (never the suffix itself);
+        # the context only ever holds verified tokens, so entries never go stale
         index, end = self._index[i], len(ctx) - 1
         for e in range(max(self._indexed[i], self.min_ngram - 1), end):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if e - n + 1 >= 0:
-                    index[tuple(ctx[e - n + 1:e + 1])] = e
+                    index.setdefault(tuple(ctx[e - n + 1:e + 1]), []).append(e)
         self._indexed[i] = max(self._indexed[i], end)
 
     def propose(self, contexts, ks, sampling):
@@ -131,9 +137,16 @@ class NgramDrafter(Drafter):
             if k > 0 and len(ctx) > self.min_ngram:
                 self._update(i, ctx)
                 for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
-                    e = self._index[i].get(tuple(ctx[-n:]))
-                    if e is not None:
-                        tokens = list(ctx[e + 1:e + 1 + k])
+                    ends = self._index[i].get(tuple(ctx[-n:]))
+                    if ends:
+                        best = ends[-1]
+                        for e in reversed(ends[-self.candidates:]):
+                            if len(ctx) - 1 - e >= k:
+                                best = e
+                                break
+                            if e < best:
+                                best = e
+                        tokens = list(ctx[best + 1:best + 1 + k])
                         break
             out.append(Draft(tokens))
         return out

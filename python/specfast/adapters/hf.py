@@ -168,6 +168,8 @@ class HFModel:
         width = max(counts)
         if width == 0:
             return [torch.empty((0, self.vocab_size)) for _ in tokens]
+        if state.slots == 0 and batch > 1 and not all_logits and min(counts) != width:
+            return self._prefill_rows(state, tokens)
         ids = torch.zeros((batch, width), dtype=torch.long)
         new_valid = torch.zeros((batch, width), dtype=torch.bool)
         positions = torch.zeros((batch, width), dtype=torch.long)
@@ -178,15 +180,18 @@ class HFModel:
                 positions[b, width - n:] = torch.arange(state.lengths[b], state.lengths[b] + n)
         slots = state.slots
         key_valid = torch.cat([state.valid, new_valid], dim=1)  # (B, S + T)
-        q_slot = torch.arange(width).unsqueeze(1) + slots
-        causal = torch.arange(slots + width).unsqueeze(0) <= q_slot  # (T, S + T)
-        mask = key_valid[:, None, None, :] & causal[None, None]
-        # every query sees itself, so padded queries never meet an all-masked row
-        diag = torch.arange(width)
-        mask[:, 0, diag, slots + diag] = True
-        if not self._sdpa:
-            mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(
-                ~mask, torch.finfo(self.dtype).min)
+        if bool(key_valid.all()):
+            mask = None  # no holes, no padding: the model's own causal mask is exact
+        else:
+            q_slot = torch.arange(width).unsqueeze(1) + slots
+            causal = torch.arange(slots + width).unsqueeze(0) <= q_slot  # (T, S + T)
+            mask = key_valid[:, None, None, :] & causal[None, None]
+            # every query sees itself, so padded queries never meet an all-masked row
+            diag = torch.arange(width)
+            mask[:, 0, diag, slots + diag] = True
+            if not self._sdpa:
+                mask = torch.zeros(mask.shape, dtype=self.dtype).masked_fill_(
+                    ~mask, torch.finfo(self.dtype).min)
         with torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              cache=state.cache, use_cache=True,
@@ -200,6 +205,44 @@ class HFModel:
         if all_logits:
             return [logits[b, width - n:] for b, n in enumerate(counts)]
         return [logits[b, -1:] if n else logits[b, :0] for b, n in enumerate(counts)]
+
+    def _prefill_rows(self, state: HFState, tokens):
+        """Prompts of different lengths: one forward per prompt (no compute on
+        padding), then one left-padded batch cache."""
+        torch = self.torch
+        rows, logits = [], []
+        for row in tokens:
+            one = self.new_state(1)
+            logits.append(self.forward(one, [row], all_logits=False)[0])
+            rows.append(one)
+        width = max(len(t) for t in tokens)
+        longest = rows[max(range(len(tokens)), key=lambda b: len(tokens[b]))]
+        for li, layer in enumerate(state.cache.layers):
+            like = longest.cache.layers[li]
+            if getattr(like, "keys", None) is None:
+                continue
+            parts_k, parts_v = [], []
+            for one, row in zip(rows, tokens):
+                src = one.cache.layers[li]
+                pad = width - len(row)
+                if len(row) == 0:  # an empty row: all padding
+                    parts_k.append(like.keys.new_zeros(like.keys.shape))
+                    parts_v.append(like.values.new_zeros(like.values.shape))
+                else:
+                    parts_k.append(torch.nn.functional.pad(src.keys, (0, 0, pad, 0)))
+                    parts_v.append(torch.nn.functional.pad(src.values, (0, 0, pad, 0)))
+            if not layer.is_initialized:
+                layer.lazy_initialization(parts_k[0], parts_v[0])
+            layer.keys, layer.values = torch.cat(parts_k), torch.cat(parts_v)
+        state.valid = torch.zeros((len(tokens), width), dtype=torch.bool)
+        state.pos = torch.full((len(tokens), width), -1, dtype=torch.long)
+        for b, row in enumerate(tokens):
+            n = len(row)
+            state.valid[b, width - n:] = True
+            state.pos[b, width - n:] = torch.arange(n)
+        state.lengths = [len(t) for t in tokens]
+        state.peak_kv_bytes = max(state.peak_kv_bytes, self.kv_bytes(state))
+        return logits
 
     def truncate(self, state: HFState, lengths) -> None:
         """Rolls row b back to its first ``lengths[b]`` tokens."""

@@ -1,0 +1,169 @@
+"""llama.cpp targets and drafters through llama-cpp-python (optional).
+
+Imported lazily: ``import specfast`` never needs llama-cpp-python. One
+``llama_cpp.Llama`` context holds one sequence per request (sequence id =
+row), evaluated with the low-level batch API so all rows of a step run in one
+``llama_decode``; rolling back is ``llama_kv_cache_seq_rm`` past the verified
+prefix. Logits are requested for every appended token.
+
+Status: written against llama-cpp-python 0.3's low-level API and exercised
+only where that package is installed (tests skip otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class LlamaCppState:
+    lengths: list = field(default_factory=list)
+
+
+class LlamaCppModel:
+    """A GGUF model run by llama.cpp (``pip install llama-cpp-python``)."""
+
+    def __init__(self, path: str, *, n_ctx: int = 4096, n_seq_max: int = 8, n_threads=None,
+                 chat: bool = True):
+        import llama_cpp
+
+        self.llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
+                                   n_threads=n_threads, verbose=False,
+                                   kv_unified=True) if _accepts_kv_unified() else \
+            llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
+                            n_threads=n_threads, verbose=False)
+        self.n_seq_max = n_seq_max
+        self.chat = chat
+        self.name = path.rsplit("/", 1)[-1]
+        self.vocab_size = self.llm.n_vocab()
+        self.eos_token_ids = [self.llm.token_eos()]
+        self._n_ctx = n_ctx
+
+    # -- text ---------------------------------------------------------------
+    def encode(self, prompt) -> list:
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):  # chat messages
+            from jinja2 import Template  # llama-cpp-python depends on jinja2
+
+            tpl = self.llm.metadata.get("tokenizer.chat_template")
+            prompt = Template(tpl).render(messages=prompt, add_generation_prompt=True)
+            return self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
+        if self.chat and self.llm.metadata.get("tokenizer.chat_template"):
+            return self.encode([{"role": "user", "content": prompt}])
+        return self.llm.tokenize(prompt.encode(), add_bos=True)
+
+    def decode(self, ids) -> str:
+        return self.llm.detokenize(list(ids)).decode("utf-8", errors="replace")
+
+    # -- memory ---------------------------------------------------------------
+    def param_bytes(self) -> int:
+        return int(self.llama_cpp.llama_model_size(self.llm.model))
+
+    def kv_bytes_per_token(self) -> int:
+        return int(self.llama_cpp.llama_state_get_size(self.llm.ctx) // max(1, self._n_ctx))
+
+    def kv_bytes(self, state) -> int:
+        return self.kv_bytes_per_token() * sum(state.lengths)
+
+    # -- the cache ----------------------------------------------------------
+    def new_state(self, batch: int) -> LlamaCppState:
+        if batch > self.n_seq_max:
+            raise ValueError(f"batch {batch} > n_seq_max {self.n_seq_max}")
+        lc = self.llama_cpp
+        mem = lc.llama_get_memory(self.llm.ctx) if hasattr(lc, "llama_get_memory") else None
+        if mem is not None:
+            lc.llama_memory_clear(mem, True)
+        else:
+            lc.llama_kv_cache_clear(self.llm.ctx)
+        return LlamaCppState([0] * batch)
+
+    def forward(self, state, tokens, all_logits: bool = True):
+        lc = self.llama_cpp
+        total = sum(len(t) for t in tokens)
+        outs = [np.empty((0, self.vocab_size), np.float32) for _ in tokens]
+        if total == 0:
+            return outs
+        batch = lc.llama_batch_init(total, 0, 1)
+        try:
+            i = 0
+            where = []
+            for b, row in enumerate(tokens):
+                for j, t in enumerate(row):
+                    batch.token[i] = t
+                    batch.pos[i] = state.lengths[b] + j
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = b
+                    want = all_logits or j == len(row) - 1
+                    batch.logits[i] = want
+                    if want:
+                        where.append((b, i))
+                    i += 1
+            batch.n_tokens = total
+            if lc.llama_decode(self.llm.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            rows = {b: [] for b in range(len(tokens))}
+            for b, i in where:
+                ptr = lc.llama_get_logits_ith(self.llm.ctx, i)
+                rows[b].append(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
+            for b, r in rows.items():
+                if r:
+                    outs[b] = np.stack(r)
+        finally:
+            lc.llama_batch_free(batch)
+        state.lengths = [n + len(t) for n, t in zip(state.lengths, tokens)]
+        return outs
+
+    def truncate(self, state, lengths) -> None:
+        lc = self.llama_cpp
+        mem = lc.llama_get_memory(self.llm.ctx) if hasattr(lc, "llama_get_memory") else None
+        for b, (have, keep) in enumerate(zip(state.lengths, lengths)):
+            if keep < have:
+                if mem is not None:
+                    lc.llama_memory_seq_rm(mem, b, keep, -1)
+                else:
+                    lc.llama_kv_cache_seq_rm(self.llm.ctx, b, keep, -1)
+        state.lengths = [min(a, b) for a, b in zip(state.lengths, lengths)]
+
+    def select(self, state, rows) -> None:
+        """Keeps these rows: sequence ids are renumbered by moving their cells."""
+        lc = self.llama_cpp
+        mem = lc.llama_get_memory(self.llm.ctx) if hasattr(lc, "llama_get_memory") else None
+        rows = list(rows)
+        for b in range(len(state.lengths)):
+            if b not in rows:
+                if mem is not None:
+                    lc.llama_memory_seq_rm(mem, b, -1, -1)
+                else:
+                    lc.llama_kv_cache_seq_rm(self.llm.ctx, b, -1, -1)
+        for new, old in enumerate(rows):
+            if new != old:
+                if mem is not None:
+                    lc.llama_memory_seq_cp(mem, old, new, -1, -1)
+                    lc.llama_memory_seq_rm(mem, old, -1, -1)
+                else:
+                    lc.llama_kv_cache_seq_cp(self.llm.ctx, old, new, -1, -1)
+                    lc.llama_kv_cache_seq_rm(self.llm.ctx, old, -1, -1)
+        state.lengths = [state.lengths[r] for r in rows]
+
+
+def _accepts_kv_unified() -> bool:
+    import inspect
+
+    import llama_cpp
+
+    try:
+        return "kv_unified" in inspect.signature(llama_cpp.Llama.__init__).parameters
+    except (TypeError, ValueError):
+        return False

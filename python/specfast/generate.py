@@ -1,0 +1,79 @@
+"""``specfast generate``: any target/drafter pair on a prompt.
+
+    specfast generate --target model.gguf --drafter ngram --prompt "..."
+    specfast generate --target ./big-model --drafter ./small-model --prompt "..." \\
+        --temperature 0.8 --seed 7 --method coupled
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None,
+                        help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--drafter", default="ngram",
+                        help="'ngram', 'ngram:N', 'none', or a draft model folder/.gguf")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text (repeat for a batch); '-' reads stdin")
+    parser.add_argument("--raw", action="store_true", help="no chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("-k", "--draft-length", default="auto", help="'auto' or a fixed k")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--method", choices=["coupled", "rejection"], default="coupled")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--json", action="store_true", help="print metrics as JSON")
+
+
+def run(args) -> int:
+    import torch
+
+    from .adapters.hf import HFModel, smollm2_path
+    from .decoder import SpeculativeDecoder
+    from .drafters import ModelDrafter, NgramDrafter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
+    target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
+    if args.drafter == "none":
+        drafter = None
+    elif args.drafter == "ngram" or args.drafter.startswith("ngram:"):
+        n = int(args.drafter.split(":", 1)[1]) if ":" in args.drafter else 3
+        drafter = NgramDrafter(max_ngram=n, min_ngram=min(2, n))
+    else:
+        drafter = ModelDrafter(HFModel.from_pretrained(args.drafter, chat=not args.raw))
+    k = args.draft_length if args.draft_length == "auto" else int(args.draft_length)
+    dec = SpeculativeDecoder(target, drafter, k=k)
+    single = len(prompts) == 1
+
+    def stream(i, toks, text):
+        if single:
+            print(text, end="", flush=True)
+
+    out = dec.generate(prompts if not single else prompts[0], args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       min_p=args.min_p, seed=args.seed, method=args.method,
+                       stream=stream, stop=args.stop)
+    outs = [out] if single else out
+    if single:
+        print()
+    else:
+        for i, g in enumerate(outs):
+            print(f"--- [{i}] ---\n{g.text}")
+    total = dec.last_metrics
+    if args.json:
+        print(json.dumps({"requests": [g.metrics.as_dict() for g in outs],
+                          "batch": total.as_dict(), "memory": dec.memory_report()},
+                         default=str, indent=1))
+    else:
+        print(total.summary(), file=sys.stderr)
+    return 0

@@ -1,0 +1,82 @@
+"""Drafters on their own: n-gram lookup (pure Python) and the draft-model drafter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specfast
+from specfast.drafters import NgramDrafter, Sampling, draft_seed
+
+
+def propose(d, ctx, k):
+    d.start([ctx], [Sampling()])
+    return d.propose([ctx], [k], [Sampling()])[0]
+
+
+def test_ngram_continues_the_latest_full_match():
+    ctx = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
+    assert propose(NgramDrafter(), ctx, 2).tokens == [7, 8]
+    # the latest match has only 6 tokens left; asking for 7 takes an older, longer one
+    assert propose(NgramDrafter(), ctx, 7).tokens == [4, 5, 9, 1, 2, 3, 7]
+    assert propose(NgramDrafter(), ctx, 5).probs is None  # deterministic
+
+
+def test_ngram_falls_back_to_shorter_ngrams_and_to_nothing():
+    assert propose(NgramDrafter(max_ngram=3, min_ngram=1), [5, 6, 7, 8, 6], 3).tokens == [7, 8, 6]
+    assert propose(NgramDrafter(), [1, 2, 3, 4], 3).tokens == []
+    assert propose(NgramDrafter(), [1, 2, 3, 1, 2], 0).tokens == []
+    with pytest.raises(ValueError):
+        NgramDrafter(max_ngram=1, min_ngram=2)
+
+
+def test_ngram_index_grows_incrementally_and_selects_rows():
+    d = NgramDrafter()
+    ctxs = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
+    d.start(ctxs, [Sampling()] * 2)
+    assert [p.tokens for p in d.propose(ctxs, [2, 2], [Sampling()] * 2)] == [[3, 1], [4, 5]]
+    ctxs[0] += [9, 1, 2]
+    assert d.propose(ctxs[:1], [1], [Sampling()])[0].tokens == [9]
+    d.select([1])
+    assert d.propose(ctxs[1:], [3], [Sampling()])[0].tokens == [4, 5]  # all that follows
+
+
+def test_draft_seed_is_shared_only_in_coupled_mode():
+    assert draft_seed(7, "coupled") == 7
+    assert draft_seed(7, "rejection") != 7
+
+
+def test_model_drafter_reports_the_distribution_it_sampled():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_decoder import tiny_model
+
+    from specfast.drafters import ModelDrafter
+
+    torch.set_num_threads(1)
+    m = tiny_model(vocab=32, seed=5)
+    d = ModelDrafter(m)
+    ctx = [1, 2, 3]
+    s = Sampling(temperature=1.0, seed=3, method="rejection")
+    d.start([ctx], [s])
+    out = d.propose([ctx], [3], [s])[0]
+    assert len(out.tokens) == 3 and out.probs.shape == (3, 32)
+    np.testing.assert_allclose(out.probs.sum(axis=1), 1.0, atol=1e-5)
+    # the first token: specfast.sample of the draft logits at position 3, drafting seed
+    with torch.inference_mode():
+        logits = m.model(input_ids=torch.tensor([ctx])).logits[0, -1:].float().numpy()
+    np.testing.assert_allclose(out.probs[0], specfast.probs(logits, temperature=1.0)[0], atol=1e-6)
+    assert out.tokens[0] == int(specfast.sample(logits, temperature=1.0, seed=draft_seed(3, "rejection"),
+                                                position=3)[0])
+    # coupled: the drafter's token is the target's own Gumbel-max token when models agree
+    c = Sampling(temperature=1.0, seed=3, method="coupled")
+    d.start([ctx], [c])
+    first = d.propose([ctx], [1], [c])[0]
+    assert first.probs is None  # coupled verification needs no q
+    assert first.tokens[0] == int(specfast.sample(logits, temperature=1.0, seed=3, position=3,
+                                                  method="coupled")[0])
+    # rollback keeps the verified prefix; the next proposal continues from it
+    d.rollback([3])
+    again = d.propose([ctx + [first.tokens[0]]], [2], [c])[0]
+    assert len(again.tokens) == 2
+    assert d.memory()["params"] > 0
