@@ -359,6 +359,17 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         ``accepted_nodes`` ``(B, max(num_draft))``; numpy in, numpy out; torch
         in, torch out.
 
+    Notes
+    -----
+    Limits: ``V <= 2**24``, ``B <= 2**20``, at most 1024 draft nodes per request;
+    beyond them a ValueError. Memory: besides the outputs and 8 bytes per request,
+    each pool thread keeps scratch between calls of at most about ``24 * V`` bytes
+    (``V / 32`` for block sums; ``8 * V`` with dense draft probabilities; up to
+    ``16 * V`` for the cut of ``top_p`` without ``top_k`` or of ``top_k > 4096``)
+    plus ``16 * K`` bytes per draft node with :class:`SparseProbs` of width K.
+    Dense draft probabilities are checked at the drafted token, and over the whole
+    row where a residual is formed (values in [0, 1], summing to 1 within 1e-3).
+
     Examples
     --------
     >>> logits = np.random.randn(3, 100).astype(np.float32)   # one request, 2 drafts
