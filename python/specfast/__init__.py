@@ -20,9 +20,27 @@ from ._tree import kv_compact, kv_keep_slots, tree_mask
 
 __version__ = "0.1.0"
 
+# The driver loop and drafters need torch; they load on first use so that
+# `import specfast` needs only numpy and cffi.
+_LAZY = {
+    "SpeculativeDecoder": "decoder", "Generation": "decoder", "Metrics": "decoder",
+    "DraftLength": "decoder", "Drafter": "drafters", "Draft": "drafters",
+    "NgramDrafter": "drafters", "ModelDrafter": "drafters",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specfast' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 _lib()  # fail at import, not at the first call, when the library is missing
 
 __all__ = [
+    *_LAZY,
     "SparseProbs",
     "VerifyResult",
     "get_num_threads",

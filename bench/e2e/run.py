@@ -1,0 +1,271 @@
+"""End-to-end speculative decoding benchmark: one model, one machine, one run.
+
+Peers side by side over the built-in workloads (a copy of ``shared/workloads``):
+
+- ``hf_plain``: transformers ``generate`` (greedy);
+- ``hf_lookup_{3,5,10}``: transformers' own prompt lookup
+  (``prompt_lookup_num_tokens``), and ``hf_lookup_best`` the best of the three;
+- ``hf_assisted``: transformers assisted generation with ``--assistant`` (optional);
+- ``llama_cpp`` plain and with its prompt-lookup draft model, when
+  llama-cpp-python is installed;
+- ``sf_plain``: specfast's loop with k = 0 (the baseline speculation must beat);
+- ``sf_ngram``: specfast with the n-gram drafter, adaptive k;
+- ``sf_model``: specfast with a draft model (``--draft-model``, optional).
+
+Plus the exactness bars (greedy identical to sf_plain and to hf_plain; coupled
+sampling identical to plain coupled sampling for two drafters) and the batch
+bar (8 prompts in one batch vs 8 single runs). Writes ``results.json``,
+``results.md`` and ``speedup.png`` under ``--out``.
+
+    python bench/e2e/run.py --threads 1 --max-new 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def hf_generate(target, ids, max_new, **kw):
+    import torch
+
+    model = target.model
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out, dt = _timed(lambda: model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+            pad_token_id=target.eos_token_ids[0], **kw))
+    gen = out[0, len(ids):].tolist()
+    while gen and gen[-1] in target.eos_token_ids:
+        gen.pop()
+    return {"tokens": gen, "seconds": dt}
+
+
+def sf_generate(dec, ids, max_new, **kw):
+    g, dt = _timed(lambda: dec.generate(ids, max_new, **kw))
+    m = g.metrics
+    return {"tokens": g.tokens, "seconds": dt, "acceptance": m.acceptance_rate,
+            "tokens_per_step": m.mean_accepted_length, "target_steps": m.target_steps,
+            "time_split": {"prefill": m.t_prefill, "draft": m.t_draft, "target": m.t_target,
+                           "verify": m.t_verify, "other": m.t_other},
+            "k_chosen": m.k_chosen}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=None, help="model folder or .gguf (default: embedded SmolLM2)")
+    ap.add_argument("--max-new", type=int, default=128, help="cap on each workload's max_new_tokens")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--kinds", nargs="*", default=None, help="workload kinds (default: all)")
+    ap.add_argument("--lookup", type=int, nargs="*", default=[3, 5, 10])
+    ap.add_argument("--assistant", default=None, help="assistant model for HF assisted generation")
+    ap.add_argument("--draft-model", default=None, help="draft model for sf_model")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--batch-new", type=int, default=48, help="max_new_tokens of the batch bar")
+    ap.add_argument("--coupled-new", type=int, default=48, help="max_new_tokens of the coupled bar")
+    ap.add_argument("--skip-bars", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results"))
+    args = ap.parse_args(argv)
+
+    import torch
+
+    import specfast
+    from specfast import workloads
+    from specfast.adapters.hf import HFModel, smollm2_path
+    from specfast.decoder import SpeculativeDecoder
+    from specfast.drafters import ModelDrafter, NgramDrafter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_path = args.target or smollm2_path()
+    target, load_s = _timed(lambda: HFModel.from_pretrained(target_path))
+    print(f"loaded {target.name} in {load_s:.1f} s; torch threads {torch.get_num_threads()}",
+          flush=True)
+    rows = workloads.load(kinds=args.kinds)
+    plain = SpeculativeDecoder(target, None)
+    ngram = SpeculativeDecoder(target, NgramDrafter())
+    model_dec = None
+    if args.draft_model:
+        model_dec = SpeculativeDecoder(target, ModelDrafter(HFModel.from_pretrained(args.draft_model)))
+    assistant = HFModel.from_pretrained(args.assistant).model if args.assistant else None
+
+    results = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                           "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                           "load_avg_start": os.getloadavg()},
+               "target": target.name, "max_new_cap": args.max_new, "workloads": []}
+    plain.generate([1, 2, 3], 4)  # warm up torch
+    for w in rows:
+        ids = target.encode(w["messages"])
+        n = min(w["max_new_tokens"], args.max_new)
+        r = {"name": w["name"], "kind": w["kind"], "prompt_tokens": len(ids), "max_new": n,
+             "runs": {}}
+        runs = r["runs"]
+        runs["sf_plain"] = sf_generate(plain, ids, n)
+        runs["sf_ngram"] = sf_generate(ngram, ids, n)
+        if model_dec is not None:
+            runs["sf_model"] = sf_generate(model_dec, ids, n)
+        if not args.skip_hf:
+            runs["hf_plain"] = hf_generate(target, ids, n)
+            if w["kind"] == "code":  # prose bars compare against sf_plain only
+                for k in args.lookup:
+                    runs[f"hf_lookup_{k}"] = hf_generate(target, ids, n, prompt_lookup_num_tokens=k)
+            if assistant is not None:
+                runs["hf_assisted"] = hf_generate(target, ids, n, assistant_model=assistant)
+        ref = runs["sf_plain"]["tokens"]
+        for name, run in runs.items():
+            run["n_tokens"] = len(run["tokens"])
+            run["tokens_per_s"] = len(run["tokens"]) / run["seconds"]
+            run["identical_to_sf_plain"] = run["tokens"] == ref
+            run["first_diff"] = next((i for i, (a, b) in enumerate(zip(run["tokens"], ref))
+                                      if a != b), None)
+        lookups = [k for k in runs if k.startswith("hf_lookup_")]
+        if lookups:
+            best = max(lookups, key=lambda k: runs[k]["tokens_per_s"])
+            r["hf_lookup_best"] = best
+        base = runs["sf_plain"]["tokens_per_s"]
+        r["speedup_vs_sf_plain"] = {k: v["tokens_per_s"] / base for k, v in runs.items()}
+        if lookups:
+            r["sf_ngram_vs_hf_lookup_best"] = (runs["sf_ngram"]["tokens_per_s"]
+                                               / runs[r["hf_lookup_best"]]["tokens_per_s"])
+        results["workloads"].append(r)
+        print(w["name"], {k: f"{v['tokens_per_s']:.2f} tok/s{'' if v['identical_to_sf_plain'] else ' (differs)'}"
+                          for k, v in runs.items()}, flush=True)
+        for run in runs.values():
+            run.pop("tokens")
+        _save(results, args.out)
+
+    if not args.skip_bars:
+        results["coupled"] = coupled_bar(target, rows, args.coupled_new)
+        print("coupled", results["coupled"], flush=True)
+        _save(results, args.out)
+        results["batch"] = batch_bar(target, rows, args.batch_new)
+        print("batch", {k: v for k, v in results["batch"].items() if k != "per_prompt"}, flush=True)
+    results["machine"]["load_avg_end"] = os.getloadavg()
+    results["specfast"] = specfast.__version__
+    _save(results, args.out)
+    print(open(os.path.join(args.out, "results.md")).read())
+    return 0
+
+
+def coupled_bar(target, rows, max_new, temperature=0.8, seed=1234):
+    """Coupled sampling with two drafters vs plain coupled sampling (k = 0)."""
+    from specfast.decoder import SpeculativeDecoder
+    from specfast.drafters import ModelDrafter, NgramDrafter
+
+    out = []
+    picks = [w for w in rows if w["kind"] == "code"][:1] + [w for w in rows if w["kind"] != "code"][:1]
+    for w in picks:
+        ids = target.encode(w["messages"])
+        kw = dict(temperature=temperature, seed=seed, method="coupled")
+        ref = SpeculativeDecoder(target, None).generate(ids, max_new, **kw).tokens
+        row = {"name": w["name"], "tokens": len(ref)}
+        for name, drafter in (("ngram", NgramDrafter()), ("model(self)", ModelDrafter(target))):
+            g = SpeculativeDecoder(target, drafter, k=4).generate(ids, max_new, **kw)
+            row[name] = {"identical": g.tokens == ref, "acceptance": g.metrics.acceptance_rate}
+        out.append(row)
+    return out
+
+
+def batch_bar(target, rows, max_new, size=8):
+    """8 prompts in one batch vs 8 single runs, with the n-gram drafter, greedy."""
+    from specfast.decoder import SpeculativeDecoder
+    from specfast.drafters import NgramDrafter
+
+    prompts = [target.encode(w["messages"]) for w in rows]
+    prompts = (prompts * ((size + len(prompts) - 1) // len(prompts)))[:size]
+    singles, t_single = [], 0.0
+    for p in prompts:
+        g, dt = _timed(lambda: SpeculativeDecoder(target, NgramDrafter()).generate(p, max_new))
+        singles.append(g.tokens)
+        t_single += dt
+    dec = SpeculativeDecoder(target, NgramDrafter())
+    batch, t_batch = _timed(lambda: dec.generate(prompts, max_new))
+    plain_batch, t_plain_batch = _timed(lambda: SpeculativeDecoder(target, None).generate(prompts, max_new))
+    same = [b.tokens == s for b, s in zip(batch, singles)]
+    same_plain = [b.tokens == s for b, s in zip(plain_batch, singles)]
+    tokens = sum(len(b.tokens) for b in batch)
+    return {"size": size, "max_new": max_new, "tokens": tokens,
+            "single_runs_s": t_single, "batch_s": t_batch, "plain_batch_s": t_plain_batch,
+            "speedup_vs_singles": t_single / t_batch,
+            "all_identical": all(same), "plain_batch_identical": all(same_plain),
+            "per_prompt": same, "memory": dec.memory_report()}
+
+
+def _save(results, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table(results))
+    try:
+        plot(results, os.path.join(out, "speedup.png"))
+    except ImportError:  # matplotlib is optional
+        pass
+
+
+def table(results) -> str:
+    names = ["sf_plain", "sf_ngram", "sf_model", "hf_plain", "hf_lookup_3", "hf_lookup_5",
+             "hf_lookup_10", "hf_assisted"]
+    present = [n for n in names if any(n in w["runs"] for w in results["workloads"])]
+    lines = ["| workload | kind | tokens | " + " | ".join(present)
+             + " | sf_ngram / sf_plain | sf_ngram / hf_lookup_best | acceptance | tok/step | greedy identical |",
+             "|" + "---|" * (len(present) + 8)]
+    for w in results["workloads"]:
+        runs = w["runs"]
+        cells = [f"{runs[n]['tokens_per_s']:.2f}" if n in runs else "" for n in present]
+        vs_hf = w.get("sf_ngram_vs_hf_lookup_best")
+        ident = all(r["identical_to_sf_plain"] for k, r in runs.items() if k.startswith("sf_"))
+        hf_same = runs.get("hf_plain", {}).get("identical_to_sf_plain")
+        lines.append(
+            f"| {w['name']} | {w['kind']} | {runs['sf_plain']['n_tokens']} | " + " | ".join(cells)
+            + f" | {w['speedup_vs_sf_plain']['sf_ngram']:.2f}x | "
+            + (f"{vs_hf:.2f}x" if vs_hf else "n/a")
+            + f" | {runs['sf_ngram']['acceptance']:.2f} | {runs['sf_ngram']['tokens_per_step']:.2f}"
+            + f" | {'yes' if ident else 'NO'}{'' if hf_same is None else (' (hf_plain too)' if hf_same else ' (hf_plain differs)')} |")
+    m = results["machine"]
+    lines.append("")
+    lines.append(f"tokens/s, greedy, {results['target']}, max_new_tokens capped at "
+                 f"{results['max_new_cap']}, torch threads {m['threads']} of {m['cpus']} CPUs, "
+                 f"load average {m['load_avg_start'][0]:.1f} at start.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ws = results["workloads"]
+    methods = [n for n in ("sf_ngram", "hf_plain", "hf_lookup_3", "hf_lookup_5", "hf_lookup_10",
+                           "sf_model", "hf_assisted")
+               if any(n in w["speedup_vs_sf_plain"] for w in ws)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(ws)), 4))
+    width = 0.8 / max(1, len(methods))
+    for j, name in enumerate(methods):
+        xs = [i + j * width for i in range(len(ws))]
+        ys = [w["speedup_vs_sf_plain"].get(name, 0) for w in ws]
+        ax.bar(xs, ys, width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ws))])
+    ax.set_xticklabels([w["name"] for w in ws], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s relative to sf_plain (k = 0)")
+    ax.set_title(f"{results['target']}: speculative decoding, greedy")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
