@@ -189,9 +189,40 @@ def test_draft_length_controller():
         c.observe(1, 3, 0)  # request 1 never does
     assert c.choose(0, 100) == 8
     assert c.choose(0, 3) == 3  # never past the tokens left
-    ks = [c.choose(1, 100) for _ in range(8)]
-    assert ks.count(0) == 6 and max(ks) == c.probe_k  # off, with a probe every 4 steps
+    assert c.choose(0, 100, available=5) == 5  # nor past the draft
+    ks = [c.choose(1, 100) for _ in range(16)]
+    # off, probing with probe_k after 4 skipped drafts, then after 8 (a failed probe backs off)
+    assert [j for j, k in enumerate(ks) if k] == [3, 11] and max(ks) == c.probe_k
     assert DraftLength(fixed=5).choose(0, 100) == 5
+
+
+def test_draft_length_is_not_pinned_by_noise():
+    """A slow outlier at some width must not pin k at 1 when acceptance is high;
+    windowed minima and a fitted line over widths are used, not running means."""
+    c = DraftLength(max_k=10)
+    c.start(1)
+    rng = np.random.default_rng(0)
+    for step in range(60):
+        for w in (1, 2, 11):
+            noise = 3.0 if rng.random() < 0.3 else 1.0  # a loaded machine
+            c.observe_target(w, 0.02 * (1 + 0.03 * (w - 1)) * noise)
+        c.observe(0, 10, 10 if step % 3 else 4)  # bursty: long accepted runs
+    assert c.choose(0, 100) == 10
+
+
+def test_draft_length_buckets_by_match():
+    """Acceptance is tracked per confidence bucket: short lookups that fail do
+    not switch off long ones that pass."""
+    c = DraftLength(max_k=8)
+    c.start(1)
+    for w in range(1, 10):
+        c.observe_target(w, 0.02 * (1 + 0.03 * (w - 1)))
+    for _ in range(20):
+        c.observe(0, 4, 0, match=2)
+        c.observe(0, 8, 8, match=40)
+    assert c.acceptance(0, 2)[0] < 0.1 and c.acceptance(0, 40)[0] > 0.9
+    assert c.choose(0, 100, match=40, available=8) == 8
+    assert c.choose(0, 100, match=2, available=8) == 0
 
 
 def test_prompts_forms(target):

@@ -14,11 +14,19 @@ def propose(d, ctx, k):
     return d.propose([ctx], [k], [Sampling()])[0]
 
 
-def test_ngram_continues_the_latest_full_match():
+def test_ngram_prefers_the_longest_match_then_the_earliest():
     ctx = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
-    assert propose(NgramDrafter(), ctx, 2).tokens == [7, 8]
-    # the latest match has only 6 tokens left; asking for 7 takes an older, longer one
-    assert propose(NgramDrafter(), ctx, 7).tokens == [4, 5, 9, 1, 2, 3, 7]
+    # both occurrences of (1, 2, 3) match 3 tokens back: the earliest wins (HF's rule)
+    d = propose(NgramDrafter(), ctx, 7)
+    assert d.tokens == [4, 5, 9, 1, 2, 3, 7] and d.match == 3
+    assert propose(NgramDrafter(), ctx, 2).tokens == [4, 5]
+    # the later occurrence matches further back (6, 1, 2, 3): it wins
+    ctx = [6, 1, 2, 3, 4, 5, 9, 6, 1, 2, 3, 7, 8, 0, 6, 1, 2, 3]
+    d = propose(NgramDrafter(), ctx, 3)
+    assert d.tokens == [4, 5, 9] and d.match == 4
+    ctx = [5, 9, 1, 2, 3, 4, 5, 9, 6, 1, 2, 3, 7, 8, 9, 6, 1, 2, 3]
+    d = propose(NgramDrafter(), ctx, 3)
+    assert d.tokens == [7, 8, 9] and d.match == 5
     assert propose(NgramDrafter(), ctx, 5).probs is None  # deterministic
 
 
@@ -36,7 +44,9 @@ def test_ngram_index_grows_incrementally_and_selects_rows():
     d.start(ctxs, [Sampling()] * 2)
     assert [p.tokens for p in d.propose(ctxs, [2, 2], [Sampling()] * 2)] == [[3, 1], [4, 5]]
     ctxs[0] += [9, 1, 2]
-    assert d.propose(ctxs[:1], [1], [Sampling()])[0].tokens == [9]
+    assert d.propose(ctxs[:1], [1], [Sampling()])[0].tokens == [3]  # the earliest (1, 2)
+    ctxs[0] += [9]
+    assert d.propose(ctxs[:1], [2], [Sampling()])[0].tokens == [1, 2]  # (2, 9) grew in
     d.select([1])
     assert d.propose(ctxs[1:], [3], [Sampling()])[0].tokens == [4, 5]  # all that follows
 

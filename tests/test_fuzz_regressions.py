@@ -105,3 +105,19 @@ def test_replay_fuzz_corpus(tmp_path, harness):
     proc = subprocess.run([str(exe), str(corpus)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-3000:])
     assert f"replayed {len(files)} inputs" in proc.stdout
+
+
+def test_negative_q_outside_the_cut_never_revives_a_banned_token():
+    """Found by fuzz_api.c (fuzz/corpus/api/regress-negative-q-outside-cut): under a
+    filter (here min_p) the residual reads q only where the filters keep a token, and a
+    negative q at a banned token made max(0, p - q) positive there, so the corrected
+    token could be one of probability 0. The residual of a token of probability 0 is 0."""
+    x = np.array([[-np.inf, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    q = np.array([[-0.25, 0.61, 0.24]], np.float32)  # q(1) = 0.61 > p(1) = 0.5
+    n = 400
+    r = sf.verify(np.tile(x, (n, 1)), np.ones(n, np.int32), np.ones(n, np.int32),
+                  draft_probs=np.tile(q, (n, 1)), min_p=1e-30, seed=3,
+                  position=np.arange(n))
+    rejected = r.num_accepted == 0
+    assert 20 < rejected.sum() < n  # about 18% of the drafts are rejected
+    assert np.all(r.tokens[rejected, 0] == 2)  # the residual max(0, p - q) is all on 2

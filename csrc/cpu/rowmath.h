@@ -32,10 +32,12 @@ static inline float sf_row_base(const sf_row *r, float l, int64_t v) {
     return (sf_above_cut(r, l, v) & (e >= r->min_e)) ? e : 0.0f;
 }
 
-/* max(0, b * scale - q); NaN becomes 0 (bad q is reported separately). */
+/* max(0, b * scale - q), and 0 where b is 0: a token of probability 0 stays
+ * so even where q, unchecked there (outside a filter's cut), is negative.
+ * NaN becomes 0 (a bad q is reported separately). */
 static inline float sf_resid(float b, float scale, float q) {
     float x = SF_FSUB(SF_FMUL(b, scale), q);
-    return x > 0.0f ? x : 0.0f;
+    return (x > 0.0f) & (b > 0.0f) ? x : 0.0f;
 }
 
 /* floor(r * 2^40) for 0 <= r < 2048, through two exact 20-bit halves so

@@ -123,10 +123,10 @@ SF_INLINE void vphilox(uint64_t seed, int64_t position, uint32_t purpose,
     out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
 }
 
-/* max(0, b * scale - q), NaN to 0, as sf_resid. */
+/* sf_resid, lane by lane. */
 SF_INLINE vf vresid(vf b, float scale, vf q) {
     vf x = b * scale - q;
-    return vsel(x > 0.0f, x, vf_set(0.0f));
+    return vsel((x > 0.0f) & (b > 0.0f), x, vf_set(0.0f));
 }
 
 /* Exact sums of floor(r * 2^40), 0 <= r < 2048, over the lanes of many

@@ -103,9 +103,10 @@ __device__ __forceinline__ float sf_cu_row_base(const sf_cu_row &r, float l, int
     return (sf_cu_above_cut(r, l, v) && e >= r.min_e) ? e : 0.0f;
 }
 
+/* As rowmath.h's sf_resid: 0 where b is 0, whatever an unchecked q holds. */
 __device__ __forceinline__ float sf_cu_resid(float b, float scale, float q) {
     float x = SF_FSUB(SF_FMUL(b, scale), q);
-    return x > 0.0f ? x : 0.0f;
+    return (x > 0.0f && b > 0.0f) ? x : 0.0f;
 }
 
 /* floor(r * 2^40) for 0 <= r < 2048, exactly as rowmath.h's sf_fixed. */
