@@ -17,7 +17,11 @@ sampling identical to plain coupled sampling for two drafters) and the batch
 bar (8 prompts in one batch vs 8 single runs). Writes ``results.json``,
 ``results.md`` and ``speedup.png`` under ``--out``.
 
-    python bench/e2e/run.py --threads 1 --max-new 128
+Every method runs once per round on every workload, interleaved, for
+``--rounds`` rounds; a cell is the median of its rounds (all times are kept in
+``results.json``), so load on the machine cannot favour one side.
+
+    python bench/e2e/run.py --threads 2 --max-new 128 --rounds 3
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-new", type=int, default=48, help="max_new_tokens of the batch bar")
     ap.add_argument("--coupled-new", type=int, default=48, help="max_new_tokens of the coupled bar")
     ap.add_argument("--skip-bars", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds; each cell is the median")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results"))
     args = ap.parse_args(argv)
 
@@ -104,30 +110,58 @@ def main(argv=None) -> int:
                            "load_avg_start": os.getloadavg()},
                "target": target.name, "max_new_cap": args.max_new, "workloads": []}
     plain.generate([1, 2, 3], 4)  # warm up torch
+    ngram.generate([1, 2, 3, 1, 2], 4)
+    # rounds interleave every method on every workload, so a burst of load on
+    # the machine hits all of them alike; each cell is the median of the rounds
+    prepared = []
     for w in rows:
         ids = target.encode(w["messages"])
         n = min(w["max_new_tokens"], args.max_new)
+        methods = [("sf_plain", lambda ids=ids, n=n: sf_generate(plain, ids, n)),
+                   ("sf_ngram", lambda ids=ids, n=n: sf_generate(ngram, ids, n))]
+        if model_dec is not None:
+            methods.append(("sf_model", lambda ids=ids, n=n: sf_generate(model_dec, ids, n)))
+        if not args.skip_hf:
+            methods.append(("hf_plain", lambda ids=ids, n=n: hf_generate(target, ids, n)))
+            if w["kind"] == "code":  # prose bars compare against sf_plain only
+                for k in args.lookup:
+                    methods.append((f"hf_lookup_{k}", lambda ids=ids, n=n, k=k: hf_generate(
+                        target, ids, n, prompt_lookup_num_tokens=k)))
+            if assistant is not None:
+                methods.append(("hf_assisted", lambda ids=ids, n=n: hf_generate(
+                    target, ids, n, assistant_model=assistant)))
+        prepared.append((w, ids, n, methods, {name: [] for name, _ in methods}))
+    for rnd in range(args.rounds):
+        for w, ids, n, methods, all_runs in prepared:
+            for name, fn in methods:
+                all_runs[name].append(fn())
+            print(f"round {rnd + 1}/{args.rounds} {w['name']}",
+                  {k: f"{len(v[-1]['tokens']) / v[-1]['seconds']:.2f}" for k, v in all_runs.items()},
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+    for w, ids, n, methods, all_runs in prepared:
         r = {"name": w["name"], "kind": w["kind"], "prompt_tokens": len(ids), "max_new": n,
              "runs": {}}
         runs = r["runs"]
-        runs["sf_plain"] = sf_generate(plain, ids, n)
-        runs["sf_ngram"] = sf_generate(ngram, ids, n)
-        if model_dec is not None:
-            runs["sf_model"] = sf_generate(model_dec, ids, n)
-        if not args.skip_hf:
-            runs["hf_plain"] = hf_generate(target, ids, n)
-            if w["kind"] == "code":  # prose bars compare against sf_plain only
-                for k in args.lookup:
-                    runs[f"hf_lookup_{k}"] = hf_generate(target, ids, n, prompt_lookup_num_tokens=k)
-            if assistant is not None:
-                runs["hf_assisted"] = hf_generate(target, ids, n, assistant_model=assistant)
-        ref = runs["sf_plain"]["tokens"]
-        for name, run in runs.items():
+        ref = all_runs["sf_plain"][0]["tokens"]
+        for name, rs in all_runs.items():
+            secs = sorted(x["seconds"] for x in rs)
+            run = dict(rs[0])
+            run["seconds"] = secs[len(secs) // 2] if len(secs) % 2 else 0.5 * (
+                secs[len(secs) // 2 - 1] + secs[len(secs) // 2])
+            run["seconds_all"] = [x["seconds"] for x in rs]
+            for key in ("acceptance", "tokens_per_step"):  # the table shows round 1's
+                if key in run:
+                    run[key + "_all"] = [x[key] for x in rs]
             run["n_tokens"] = len(run["tokens"])
             run["tokens_per_s"] = len(run["tokens"]) / run["seconds"]
-            run["identical_to_sf_plain"] = run["tokens"] == ref
+            run["tokens_per_s_best"] = len(run["tokens"]) / secs[0]
+            run["identical_to_sf_plain"] = all(x["tokens"] == ref for x in rs)
             run["first_diff"] = next((i for i, (a, b) in enumerate(zip(run["tokens"], ref))
                                       if a != b), None)
+            if "k_chosen" in run:
+                run["k_chosen"] = {int(k): v for k, v in sorted(run["k_chosen"].items())}
+            run.pop("tokens")
+            runs[name] = run
         lookups = [k for k in runs if k.startswith("hf_lookup_")]
         if lookups:
             best = max(lookups, key=lambda k: runs[k]["tokens_per_s"])
@@ -138,11 +172,8 @@ def main(argv=None) -> int:
             r["sf_ngram_vs_hf_lookup_best"] = (runs["sf_ngram"]["tokens_per_s"]
                                                / runs[r["hf_lookup_best"]]["tokens_per_s"])
         results["workloads"].append(r)
-        print(w["name"], {k: f"{v['tokens_per_s']:.2f} tok/s{'' if v['identical_to_sf_plain'] else ' (differs)'}"
-                          for k, v in runs.items()}, flush=True)
-        for run in runs.values():
-            run.pop("tokens")
-        _save(results, args.out)
+    results["rounds"] = args.rounds
+    _save(results, args.out)
 
     if not args.skip_bars:
         results["coupled"] = coupled_bar(target, rows, args.coupled_new)
@@ -234,9 +265,11 @@ def table(results) -> str:
             + f" | {'yes' if ident else 'NO'}{'' if hf_same is None else (' (hf_plain too)' if hf_same else ' (hf_plain differs)')} |")
     m = results["machine"]
     lines.append("")
-    lines.append(f"tokens/s, greedy, {results['target']}, max_new_tokens capped at "
+    lines.append(f"tokens/s (median of {results.get('rounds', 1)} interleaved rounds, prefill "
+                 f"included), greedy, {results['target']}, max_new_tokens capped at "
                  f"{results['max_new_cap']}, torch threads {m['threads']} of {m['cpus']} CPUs, "
-                 f"load average {m['load_avg_start'][0]:.1f} at start.")
+                 f"load average {m['load_avg_start'][0]:.1f} at start"
+                 + (f", {m['load_avg_end'][0]:.1f} at end." if 'load_avg_end' in m else "."))
     return "\n".join(lines) + "\n"
 
 

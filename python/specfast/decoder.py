@@ -17,6 +17,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,18 +120,39 @@ class Generation:
 
 
 # -- draft length ----------------------------------------------------------------
+class _Request:
+    """One request's acceptance statistics (per confidence bucket) and probe state."""
+
+    __slots__ = ("stats", "skipped", "interval")
+
+    def __init__(self, probe_every):
+        self.stats = {}  # bucket -> [first ok, first failed, next ok, next failed]
+        self.skipped = 0
+        self.interval = probe_every
+
+
 class DraftLength:
     """Chooses k per request and step from measured acceptance and costs.
 
-    With per-token acceptance a (a decayed running estimate per request) a
-    step drafting k tokens yields ``(1 - a^(k+1)) / (1 - a)`` tokens and costs
-    ``target(k + 1) + k * draft + fixed`` seconds, each term measured: the
-    target's forward time per width (a running mean per width, a linear fit
-    for widths not seen yet), the drafter's time per drafted token, and the
-    per-step verify and bookkeeping time. k maximises tokens per second; when
-    that is k = 0 the request decodes plainly and probes a short draft every
-    ``probe_every`` steps, so a request whose text turns copyable (or back)
-    is noticed.
+    Acceptance is bursty (a copied span is accepted token after token, then
+    the copy ends), so it is modelled as a chain, not i.i.d. tokens: ``p0`` =
+    P(first draft token accepted) and ``q`` = P(next accepted | previous
+    accepted), so drafting k yields ``1 + p0 (1 - q^k) / (1 - q)`` tokens in
+    expectation. Both are decayed running estimates per request and per
+    confidence bucket of the draft (``Draft.match``, the length of the context
+    a lookup draft matched: a 2-token match and a 40-token one are different
+    bets), starting from a prior.
+
+    Costs are measured, and robustly: the target forward of width w (the
+    minimum over a window of recent steps per width, then a line fitted over
+    widths, weighted by samples, so a lucky or unlucky step cannot pin k), the
+    drafter's time per drafted token (not counted for ``cheap`` drafters,
+    whose draft is proposed whatever k is) and the per-step verify and
+    bookkeeping time. k maximises expected tokens per second; when that is
+    k = 0 the request decodes plainly and probes with ``probe_k`` tokens after
+    ``probe_every`` skipped drafts, the interval doubling (up to ``probe_max``)
+    after each failed probe, so prose pays next to nothing while text that
+    turns copyable is noticed.
 
     Parameters
     ----------
@@ -140,86 +162,138 @@ class DraftLength:
         The longest draft considered.
     """
 
-    def __init__(self, fixed: int | None = None, max_k: int = 10, *, prior: float = 0.6,
-                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 8,
-                 probe_k: int = 2):
+    def __init__(self, fixed: int | None = None, max_k: int = 10, *, prior_first: float = 0.5,
+                 prior_next: float = 0.85, prior_weight: float = 2.0, decay: float = 0.9,
+                 window: int = 24, probe_every: int = 4, probe_max: int = 32, probe_k: int = 1,
+                 prior_slope: float = 0.02):
         self.fixed, self.max_k = fixed, max_k
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
-        self.probe_every, self.probe_k = probe_every, probe_k
-        self.target_time: dict = {}  # width -> running mean seconds
-        self.draft_time = 0.0  # seconds per drafted token
-        self.fixed_time = 0.0  # verify + other, per step
+        self.prior_first, self.prior_next = prior_first, prior_next
+        self.prior_weight, self.decay = prior_weight, decay
+        self.window = window
+        self.probe_every, self.probe_max, self.probe_k = probe_every, probe_max, probe_k
+        self.prior_slope = prior_slope
+        self.cheap_draft = False
+        self._times: dict = {}  # width -> recent forward seconds
+        self._draft: deque = deque(maxlen=window)  # seconds per drafted token
+        self._fixed: deque = deque(maxlen=window)  # verify + other, per step
+        self._line = None
         self._req: list = []
 
+    # -- per request ---------------------------------------------------------
     def start(self, batch: int) -> None:
-        self._req = [[self.prior * self.prior_weight, (1 - self.prior) * self.prior_weight, 0]
-                     for _ in range(batch)]
+        self._req = [_Request(self.probe_every) for _ in range(batch)]
 
     def select(self, rows) -> None:
         self._req = [self._req[r] for r in rows]
 
-    def acceptance(self, i: int) -> float:
-        s, f, _ = self._req[i]
-        return s / (s + f)
+    @staticmethod
+    def bucket(match) -> int:
+        """Confidence bucket of a draft: 0 unknown, else 1 + log2 of the match length."""
+        return 0 if not match or match < 0 else min(int(match).bit_length(), 7)
+
+    def _stats(self, i: int, match):
+        stats = self._req[i].stats
+        b = self.bucket(match)
+        st = stats.get(b)
+        if st is None:
+            w, p, q = self.prior_weight, self.prior_first, self.prior_next
+            if b:  # lookup drafts: a short match is a weaker bet than a long one
+                p = min(0.9, p * 0.25 * b)
+            st = stats[b] = [p * w, (1 - p) * w, q * w, (1 - q) * w]
+        return st
+
+    def acceptance(self, i: int, match=None) -> tuple:
+        """(p0, q): P(first draft token accepted), P(next accepted | previous was)."""
+        s0, f0, s1, f1 = self._stats(i, match)
+        return s0 / (s0 + f0), s1 / (s1 + f1)
+
+    # -- costs ---------------------------------------------------------------
+    def _fit(self):
+        if self._line is None:
+            pts = [(w, min(t), len(t)) for w, t in self._times.items() if t]
+            if not pts:
+                self._line = (1.0, self.prior_slope)  # relative units until measured
+            elif len({w for w, _, _ in pts}) == 1:
+                w, t, _ = pts[0]
+                slope = self.prior_slope * t
+                self._line = (max(t - slope * w, 1e-9), slope)
+            else:
+                xs = np.array([p[0] for p in pts], float)
+                ys = np.array([p[1] for p in pts], float)
+                ws = np.sqrt(np.array([p[2] for p in pts], float))
+                slope, icpt = np.polyfit(xs, ys, 1, w=ws)
+                slope = max(float(slope), 0.0)
+                icpt = float(np.average(ys - slope * xs, weights=ws))
+                self._line = (max(icpt, 1e-9), slope)
+        return self._line
 
     def _target(self, width: int) -> float:
-        t = self.target_time
-        if width in t:
-            return t[width]
-        if not t:
-            return 1.0 + 0.1 * (width - 1)  # relative units until measured
-        xs = np.array(sorted(t), float)
-        ys = np.array([t[int(x)] for x in xs])
-        if len(xs) == 1:  # assume the forward grows 8% per extra token (SmolLM2 on a CPU)
-            return ys[0] * (1 + 0.08 * (width - xs[0]))
-        slope, icpt = np.polyfit(xs, ys, 1)
-        return max(icpt + max(slope, 0.0) * width, 1e-6)
+        icpt, slope = self._fit()
+        return max(icpt + slope * width, 1e-9)
 
-    def expected_rate(self, a: float, k: int) -> float:
-        """Tokens per second when drafting k with acceptance a."""
-        a = min(a, 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (self._target(k + 1) + k * self.draft_time + self.fixed_time)
+    def expected_tokens(self, p0: float, q: float, k: int) -> float:
+        q = min(q, 0.995)
+        return 1.0 + p0 * (1 - q ** k) / (1 - q)
 
-    def choose(self, i: int, limit: int) -> int:
-        if limit <= 0:
+    def expected_rate(self, p0: float, q: float, k: int) -> float:
+        """Tokens per second when drafting k with acceptance (p0, q)."""
+        draft = 0.0 if self.cheap_draft or not self._draft else min(self._draft)
+        fixed = min(self._fixed) if self._fixed else 0.0
+        return self.expected_tokens(p0, q, k) / (self._target(k + 1) + k * draft + fixed)
+
+    def choose(self, i: int, limit: int, match=None, available: int | None = None) -> int:
+        """Draft length for request i: at most ``limit`` (tokens left) and
+        ``available`` (the draft's length, when it is proposed first)."""
+        cap = min(self.max_k, limit)
+        if available is not None:
+            cap = min(cap, available)
+        if cap <= 0:
             return 0
         if self.fixed is not None:
-            return min(self.fixed, limit)
-        a = self.acceptance(i)
-        rates = [self.expected_rate(a, k) for k in range(min(self.max_k, limit) + 1)]
-        k = int(np.argmax(rates))
+            return min(self.fixed, cap)
+        p0, q = self.acceptance(i, match)
+        best_k, best = 0, self.expected_rate(p0, q, 0)
+        for k in range(1, cap + 1):
+            r = self.expected_rate(p0, q, k)
+            if r > best:
+                best_k, best = k, r
         req = self._req[i]
-        if k == 0:
-            req[2] += 1
-            if req[2] >= self.probe_every:
-                req[2] = 0
-                return min(self.probe_k, limit)
-        else:
-            req[2] = 0
-        return k
+        if best_k == 0:
+            req.skipped += 1
+            if req.skipped >= req.interval:
+                req.skipped = 0
+                req.interval = min(2 * req.interval, self.probe_max)
+                return min(self.probe_k, cap)
+            return 0
+        req.skipped = 0
+        req.interval = self.probe_every
+        return best_k
 
-    def observe(self, i: int, drafted: int, accepted: int) -> None:
+    def observe(self, i: int, drafted: int, accepted: int, match=None) -> None:
         if drafted == 0:
             return
-        req = self._req[i]
-        failed = 1 if accepted < drafted else 0
-        # one Bernoulli trial per verified position: accepted successes, <= 1 failure
-        weight = self.decay ** (accepted + failed)
-        req[0] = req[0] * weight + accepted
-        req[1] = req[1] * weight + failed
+        st = self._stats(i, match)
+        d = self.decay
+        st[0] = st[0] * d + (accepted >= 1)
+        st[1] = st[1] * d + (accepted == 0)
+        if accepted >= 1:
+            # positions 2..drafted were verified while the previous one passed
+            st[2] = st[2] * d + (accepted - 1)
+            st[3] = st[3] * d + (1 if accepted < drafted else 0)
 
     def observe_target(self, width: int, seconds: float) -> None:
-        old = self.target_time.get(width)
-        self.target_time[width] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        t = self._times.get(width)
+        if t is None:
+            t = self._times[width] = deque(maxlen=self.window)
+        t.append(seconds)
+        self._line = None
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         if tokens:
-            per = seconds / tokens
-            self.draft_time = per if self.draft_time == 0 else 0.8 * self.draft_time + 0.2 * per
+            self._draft.append(seconds / tokens)
 
     def observe_fixed(self, seconds: float) -> None:
-        self.fixed_time = seconds if self.fixed_time == 0 else 0.8 * self.fixed_time + 0.2 * seconds
+        self._fixed.append(seconds)
 
 
 # -- the decoder ---------------------------------------------------------------
@@ -234,8 +308,9 @@ class SpeculativeDecoder:
         None decodes plainly (k = 0), with the same loop and sampling.
     k : "auto" or int
         Draft length: adaptive per request, or fixed.
-    max_k : int
-        Longest adaptive draft.
+    max_k : int or None
+        Longest adaptive draft; None: 32 for a ``cheap`` drafter (n-gram lookup,
+        whose long matches are accepted in long runs), 10 otherwise.
 
     Examples
     --------
@@ -244,14 +319,16 @@ class SpeculativeDecoder:
     >>> out.text, out.metrics.acceptance_rate                   # doctest: +SKIP
     """
 
-    def __init__(self, target, drafter: Drafter | None = None, *, k="auto", max_k: int = 10,
-                 **controller):
+    def __init__(self, target, drafter: Drafter | None = None, *, k="auto",
+                 max_k: int | None = None, **controller):
         self.target = target
         self.drafter = drafter
         if drafter is None:
             k = 0
         if k != "auto" and (not isinstance(k, int) or k < 0):
             raise ValueError(f"k must be 'auto' or an int >= 0, got {k!r}")
+        if max_k is None:
+            max_k = 32 if getattr(drafter, "cheap", False) else 10
         self.controller = DraftLength(None if k == "auto" else k, max_k, **controller)
         self.last_metrics: Metrics | None = None
         self._peaks = {"target_kv": 0, "draft_kv": 0}
@@ -335,6 +412,8 @@ class SpeculativeDecoder:
         finish = ["length"] * batch
         want_text = stream is not None or bool(stop)
 
+        cheap = drafter is not None and getattr(drafter, "cheap", False)
+        ctl.cheap_draft = cheap
         state = target.new_state(batch)
         target.forward(state, [c[:-1] for c in contexts], all_logits=False)
         if drafter is not None:
@@ -348,16 +427,27 @@ class SpeculativeDecoder:
 
         while live:
             step_start = time.perf_counter()
-            ks = [ctl.choose(j, max_new - len(gen[i]) - 1) for j, i in enumerate(live)]
-            drafts = [Draft([]) for _ in live]
+            limits = [max_new - len(gen[i]) - 1 for i in live]
             t0 = time.perf_counter()
-            if drafter is not None and any(ks):
-                drafts = drafter.propose([contexts[i] for i in live], ks,
+            if cheap:
+                # propose the longest useful draft, then let the controller cut it
+                want = [min(ctl.max_k, n) if ctl.fixed is None else min(ctl.fixed, n)
+                        for n in limits]
+                drafts = drafter.propose([contexts[i] for i in live], want,
                                          [sampling[i] for i in live])
-                drafts = [_clip(d, k) for d, k in zip(drafts, ks)]
+                ks = [ctl.choose(j, n, d.match, len(d.tokens))
+                      for j, (n, d) in enumerate(zip(limits, drafts))]
+            else:
+                ks = [ctl.choose(j, n) for j, n in enumerate(limits)]
+                drafts = [Draft([]) for _ in live]
+                if drafter is not None and any(ks):
+                    drafts = drafter.propose([contexts[i] for i in live], ks,
+                                             [sampling[i] for i in live])
+            drafts = [_clip(d, k) for d, k in zip(drafts, ks)]
             t_draft = time.perf_counter() - t0
             n_drafted = sum(len(d.tokens) for d in drafts)
-            ctl.observe_draft(n_drafted, t_draft)
+            if not cheap:
+                ctl.observe_draft(n_drafted, t_draft)
 
             t0 = time.perf_counter()
             rows = target.forward(state, [[contexts[i][-1]] + d.tokens
@@ -375,7 +465,7 @@ class SpeculativeDecoder:
             for j, i in enumerate(live):
                 n_acc = int(result.num_accepted[j])
                 drafted = len(drafts[j].tokens)
-                ctl.observe(j, drafted, n_acc)
+                ctl.observe(j, drafted, n_acc, drafts[j].match)
                 metrics[i]._count(drafted, n_acc)
                 total._count(drafted, n_acc)
                 metrics[i].target_steps += 1
@@ -479,12 +569,14 @@ class SpeculativeDecoder:
 def _clip(d: Draft, k: int) -> Draft:
     if len(d.tokens) <= k:
         return d
+    if k <= 0:
+        return Draft([], None, d.match)
     probs = d.probs
     if isinstance(probs, _api.SparseProbs):
         probs = _api.SparseProbs(probs.indices[:k], probs.values[:k])
     elif probs is not None:
         probs = probs[:k]
-    return Draft(list(d.tokens[:k]), probs)
+    return Draft(list(d.tokens[:k]), probs, d.match)
 
 
 def _draft_probs(drafts, vocab):

@@ -49,22 +49,28 @@ class Draft:
 
     tokens : list of int, at most the k asked for (may be empty)
     probs : None (deterministic drafts), ``(len(tokens), V)`` float32, or SparseProbs
+    match : int
+        A confidence signal for the draft-length controller: for lookup drafts,
+        how many context tokens the match covers (0 when unknown).
     """
 
     tokens: list
     probs: object = None
+    match: int = 0
 
 
 class Drafter:
     """The drafter interface.
 
     ``deterministic`` tells the decoder whether ``Draft.probs`` is always None.
-    ``cost_per_token`` is None when the decoder should measure the drafting time
-    itself (the default); a drafter may instead report a known cost in seconds.
+    ``cheap`` says proposing costs next to nothing whatever the length: the
+    decoder then asks for the longest useful draft first and lets the draft
+    length controller cut it, knowing the draft (and its ``match``).
     """
 
     name = "drafter"
     deterministic = True
+    cheap = False
 
     def start(self, contexts: list, sampling: list) -> None:
         """A new generation of ``len(contexts)`` requests with these prompt ids."""
@@ -92,12 +98,16 @@ class NgramDrafter(Drafter):
     """Prompt lookup: find earlier occurrences of the context's last n tokens
     (n from ``max_ngram`` down to ``min_ngram``) and propose what followed.
 
-    Among the occurrences of the longest matching n-gram it takes the latest
-    one whose continuation holds all k tokens (a copy being written out
-    matches itself near the end of the context, where the continuation is
-    cut short), else the one with the longest continuation. Model-free and
-    deterministic; an index of n-gram -> end positions is updated
-    incrementally, so a lookup costs O(new tokens + candidates).
+    Among the occurrences of the longest matching n-gram it takes the one whose
+    match extends furthest back (up to ``max_match`` tokens: the most specific
+    context), the earliest on ties (as transformers' prompt lookup: in a rewrite
+    the source comes first and its continuation is the longest), and proposes
+    up to k tokens of its continuation. ``Draft.match`` is the matched length,
+    which the draft length controller uses as the draft's confidence.
+
+    Model-free and deterministic; an index of n-gram -> end positions is
+    updated incrementally, so a lookup costs O(new tokens + candidates *
+    match length).
 
     Examples
     --------
@@ -108,11 +118,14 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    cheap = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, candidates: int = 8):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 32,
+                 max_match: int = 64):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
+        self.max_match = max(max_match, max_ngram)
         self._index: list = []
         self._indexed: list = []
 
@@ -130,25 +143,37 @@ class NgramDrafter(Drafter):
                     index.setdefault(tuple(ctx[e - n + 1:e + 1]), []).append(e)
         self._indexed[i] = max(self._indexed[i], end)
 
+    def lookup(self, i, ctx):
+        """(end position of the chosen match, matched length), or (-1, 0)."""
+        last = len(ctx) - 1
+        for n in range(min(self.max_ngram, last), self.min_ngram - 1, -1):
+            ends = self._index[i].get(tuple(ctx[-n:]))
+            if not ends:
+                continue
+            c = self.candidates
+            cands = ends if len(ends) <= c else ends[:c // 2] + ends[-(c - c // 2):]
+            best, best_len, cap = -1, -1, self.max_match
+            for e in cands:  # ascending: strict > keeps the earliest on ties
+                j = n
+                while j < cap and j <= e and ctx[e - j] == ctx[last - j]:
+                    j += 1
+                if j > best_len:
+                    best, best_len = e, j
+                    if j >= cap:
+                        break
+            return best, best_len
+        return -1, 0
+
     def propose(self, contexts, ks, sampling):
         out = []
         for i, (ctx, k) in enumerate(zip(contexts, ks)):
-            tokens = []
             if k > 0 and len(ctx) > self.min_ngram:
                 self._update(i, ctx)
-                for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
-                    ends = self._index[i].get(tuple(ctx[-n:]))
-                    if ends:
-                        best = ends[-1]
-                        for e in reversed(ends[-self.candidates:]):
-                            if len(ctx) - 1 - e >= k:
-                                best = e
-                                break
-                            if e < best:
-                                best = e
-                        tokens = list(ctx[best + 1:best + 1 + k])
-                        break
-            out.append(Draft(tokens))
+                e, n = self.lookup(i, ctx)
+                if e >= 0:
+                    out.append(Draft(list(ctx[e + 1:e + 1 + k]), None, n))
+                    continue
+            out.append(Draft([]))
         return out
 
     def select(self, rows):
@@ -276,7 +301,7 @@ def make(spec: str, target=None, **kwargs) -> Drafter:
     model path (folder or ``.gguf``) loaded with the HF adapter."""
     if spec == "ngram" or spec.startswith("ngram:"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 3
-        return NgramDrafter(max_ngram=n, min_ngram=min(2, n))
+        return NgramDrafter(max_ngram=n, min_ngram=1)
     from .adapters import load
 
     return ModelDrafter(load(spec, **kwargs))

@@ -48,7 +48,7 @@ def run(args) -> int:
         drafter = None
     elif args.drafter == "ngram" or args.drafter.startswith("ngram:"):
         n = int(args.drafter.split(":", 1)[1]) if ":" in args.drafter else 3
-        drafter = NgramDrafter(max_ngram=n, min_ngram=min(2, n))
+        drafter = NgramDrafter(max_ngram=n, min_ngram=1)
     else:
         drafter = ModelDrafter(HFModel.from_pretrained(args.drafter, chat=not args.raw))
     k = args.draft_length if args.draft_length == "auto" else int(args.draft_length)
