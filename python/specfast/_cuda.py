@@ -24,14 +24,13 @@ from ``out``, a dict of preallocated tensors: ``tokens``, ``num_accepted``,
 from __future__ import annotations
 
 import functools
-import importlib.resources
 import os
 
 import cffi
 import numpy as np
 
 from ._cdef import CDEF
-from ._lib import VERSION_NUMBER
+from ._lib import library_path, open_library
 
 CUDA_CDEF = """
 typedef struct sf_cuda_params {
@@ -68,32 +67,15 @@ _PARAM_RULES = (
 )
 
 
-def _library_path() -> str:
-    override = os.environ.get("SPECFAST_CUDA_LIBRARY")
-    if override:
-        return override
-    return str(importlib.resources.files("specfast") / "libspecfast_cuda.so")
-
-
 @functools.cache
 def lib():
     """The loaded CUDA library; raises NotImplementedError when this build has none."""
-    path = _library_path()
-    try:
-        handle = ffi.dlopen(path)
-    except OSError as exc:
-        raise NotImplementedError(
+    return open_library(
+        ffi, library_path("SPECFAST_CUDA_LIBRARY", "libspecfast_cuda.so"), "sf_cuda_version",
+        lambda path, exc: NotImplementedError(
             f"specfast: CUDA tensors need the CUDA backend, which this installation lacks "
             f"({path!r}: {exc}); reinstall with a CUDA compiler on the PATH, or with "
-            "`pip install . -Ccmake.define.SPECFAST_CUDA=ON`"
-        ) from None
-    found = handle.sf_cuda_version()
-    if found != VERSION_NUMBER:
-        raise ImportError(
-            f"specfast: the CUDA library at {path!r} is version {found}, "
-            f"the Python package expects {VERSION_NUMBER}; reinstall specfast"
-        )
-    return handle
+            "`pip install . -Ccmake.define.SPECFAST_CUDA=ON`"))
 
 
 def is_cuda(x) -> bool:

@@ -21,26 +21,24 @@ ffi.cdef(CDEF)
 _NAMES = {"linux": "libspecfast.so", "darwin": "libspecfast.dylib", "win32": "specfast.dll"}
 
 
+def library_path(env: str, filename: str) -> str:
+    """Where a library of the package is: $`env`, or `filename` in the package."""
+    return os.environ.get(env) or str(importlib.resources.files("specfast") / filename)
+
+
 def _library_path() -> str:
-    override = os.environ.get("SPECFAST_LIBRARY")
-    if override:
-        return override
-    name = _NAMES.get(sys.platform, "libspecfast.so")
-    return str(importlib.resources.files("specfast") / name)
+    return library_path("SPECFAST_LIBRARY", _NAMES.get(sys.platform, "libspecfast.so"))
 
 
-@functools.cache
-def lib():
-    """The loaded library; raises ImportError when it is missing or stale."""
-    path = _library_path()
+def open_library(ffi_, path: str, version: str, missing):
+    """dlopen `path` and check that its `version` function returns this
+    package's version. `missing(path, exc)` builds the exception raised when it
+    cannot be loaded."""
     try:
-        handle = ffi.dlopen(path)
+        handle = ffi_.dlopen(path)
     except OSError as exc:
-        raise ImportError(
-            f"specfast: cannot load its compiled library {path!r} ({exc}); "
-            "reinstall the package with `pip install .`"
-        ) from None
-    found = handle.sf_version()
+        raise missing(path, exc) from None
+    found = getattr(handle, version)()
     if found != VERSION_NUMBER:
         raise ImportError(
             f"specfast: the library at {path!r} is version {found}, "
@@ -48,6 +46,15 @@ def lib():
         )
     return handle
 
+
+@functools.cache
+def lib():
+    """The loaded library; raises ImportError when it is missing or stale."""
+    return open_library(
+        ffi, _library_path(), "sf_version",
+        lambda path, exc: ImportError(
+            f"specfast: cannot load its compiled library {path!r} ({exc}); "
+            "reinstall the package with `pip install .`"))
 
 
 def check(status: int, what: str, index: int, detail=None) -> None:
