@@ -144,9 +144,9 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
                           float temperature, double goal_mass, int64_t goal_count) {
     float lo = r->max - 88.0f * temperature;
     if (!(lo > -FLT_MAX)) lo = -FLT_MAX;
-    uint64_t m_lo, m_hi = 0, m_mid;
+    uint64_t m_hi = 0, m_mid;
     int64_t c_lo, c_hi = 0, c_mid;
-    mass_above(k, r, lo, INT32_MAX, &m_lo, &c_lo);
+    mass_above(k, r, lo, INT32_MAX, &m_mid, &c_lo);
     if (goal_count > 0 && c_lo <= goal_count) return SF_OK;
     float hi = INFINITY;
     for (;;) {
@@ -154,10 +154,9 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
         if (c_lo - c_hi <= SF_TOP_P_SORT || mid <= lo || mid >= hi) break;
         mass_above(k, r, mid, INT32_MAX, &m_mid, &c_mid);
         int reached = goal_count > 0 ? c_mid >= goal_count : (double)m_mid >= goal_mass;
-        if (reached) { lo = mid; m_lo = m_mid; c_lo = c_mid; }
+        if (reached) { lo = mid; c_lo = c_mid; }
         else { hi = mid; m_hi = m_mid; c_hi = c_mid; }
     }
-    (void)m_lo;
     const int64_t n = c_lo - c_hi;
     int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4 + 4);
     float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)n * 4 + 4);

@@ -27,6 +27,12 @@ typedef struct sf_dist {
 } sf_dist;
 
 
+/* Row `row` of the logits. */
+static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
+    return (const char *)l->data +
+           (size_t)(row * l->row_stride) * (size_t)sf_dtype_size(l->dtype);
+}
+
 /* Reads a row's max and finds the cut of its filters (temperature > 0).
  * With need_mass, also forms its weights, total and block sums in `d`; when
  * d->resid[0] is set, the weights are stored there and read from it after.

@@ -12,14 +12,9 @@ typedef struct row_ctx {
     const sf_kernels *k;
 } row_ctx;
 
-static const void *row_ptr(const sf_logits *l, int64_t row) {
-    return (const char *)l->data +
-           (size_t)(row * l->row_stride) * (size_t)sf_dtype_size(l->dtype);
-}
-
 static sf_status sample_one(void *arg, int64_t b, sf_scratch *s) {
     const row_ctx *c = arg;
-    const void *row = row_ptr(c->logits, b);
+    const void *row = sf_row_ptr(c->logits, b);
     sf_rowparams p;
     sf_params_get(c->params, b, &p);
     if (p.temperature == 0.0f)
@@ -37,7 +32,7 @@ static sf_status sample_one(void *arg, int64_t b, sf_scratch *s) {
 static sf_status probs_one(void *arg, int64_t b, sf_scratch *s) {
     const row_ctx *c = arg;
     const int64_t vocab = c->logits->vocab;
-    const void *row = row_ptr(c->logits, b);
+    const void *row = sf_row_ptr(c->logits, b);
     float *out = c->probs + b * vocab;
     sf_rowparams p;
     sf_params_get(c->params, b, &p);

@@ -17,11 +17,6 @@ typedef struct verify_ctx {
     const sf_kernels *k;
 } verify_ctx;
 
-static const void *row_ptr(const sf_logits *l, int64_t row) {
-    return (const char *)l->data +
-           (size_t)(row * l->row_stride) * (size_t)sf_dtype_size(l->dtype);
-}
-
 /* q(x) of a node: 1 for deterministic drafts, else read from its row. */
 static float draft_prob(const sf_draft *d, int64_t node, int32_t x, int64_t vocab) {
     if (d->kind == SF_DRAFT_DENSE) return d->dense[node * vocab + x];
@@ -76,10 +71,10 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
 
     int32_t cur = -1, depth = 0;
     for (;;) {
-        const void *row = row_ptr(c->logits, row0 + cur + 1);
+        const void *row = sf_row_ptr(c->logits, row0 + cur + 1);
         /* The first child's row is next if it is accepted. */
         const void *next_row =
-            first[cur + 1] >= 0 ? row_ptr(c->logits, row0 + first[cur + 1] + 1) : NULL;
+            first[cur + 1] >= 0 ? sf_row_ptr(c->logits, row0 + first[cur + 1] + 1) : NULL;
         /* Deeper rows' positions wrap modulo 2^64, as the Philox counter. */
         const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth);
         int32_t accepted = -1, emit = -1;

@@ -30,6 +30,7 @@ import cffi
 import numpy as np
 
 from ._cdef import CDEF
+from ._api import _MAX_VOCAB, _PARAM_RULES, _method, _torch
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -60,12 +61,6 @@ const char *sf_cuda_error_string(int error);
 ffi = cffi.FFI()
 ffi.cdef(CDEF + CUDA_CDEF)
 
-_METHODS = {"rejection": 0, "coupled": 1}
-_MAX_VOCAB = 1 << 24
-_PARAM_RULES = (
-    "temperature must be finite and >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1"
-)
-
 
 @functools.cache
 def lib():
@@ -81,12 +76,6 @@ def lib():
 def is_cuda(x) -> bool:
     """Whether ``x`` is a torch tensor on a CUDA device (never imports torch)."""
     return type(x).__module__.split(".", 1)[0] == "torch" and getattr(x, "is_cuda", False)
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 def _ptr(t):
@@ -235,13 +224,6 @@ def _want_check(check):
     if check is None:
         return os.environ.get("SPECFAST_CUDA_CHECK", "") not in ("", "0")
     return bool(check)
-
-
-def _method(method):
-    code = _METHODS.get(method)
-    if code is None:
-        raise ValueError(f"method must be 'rejection' or 'coupled', got {method!r}")
-    return code
 
 
 def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=None,
