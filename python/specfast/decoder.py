@@ -78,8 +78,9 @@ class Metrics:
         t = self.t_total - self.t_prefill
         return self.tokens / t if t > 0 else 0.0
 
-    def _count(self, drafted: int, accepted: int) -> None:
-        self.draft_n += drafted
+    def _count(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
+        """``drafted``: the draft's depth (its length for a chain); ``nodes``: its size."""
+        self.draft_n += drafted if nodes is None else nodes
         self.draft_n_accepted += accepted
         while len(self.drafted_at) < drafted:
             self.drafted_at.append(0)
@@ -450,24 +451,30 @@ class SpeculativeDecoder:
                 ctl.observe_draft(n_drafted, t_draft)
 
             t0 = time.perf_counter()
-            rows = target.forward(state, [[contexts[i][-1]] + d.tokens
-                                          for i, d in zip(live, drafts)])
+            parents = _parents(drafts)
+            feed = [[contexts[i][-1]] + d.tokens for i, d in zip(live, drafts)]
+            if parents is None:
+                rows = target.forward(state, feed)
+            else:
+                rows = target.forward(state, feed, trees=[d.parents for d in drafts])
             t_target = time.perf_counter() - t0
             width = 1 + max(len(d.tokens) for d in drafts)
             ctl.observe_target(width, t_target)
 
             t0 = time.perf_counter()
             result = self._verify(rows, drafts, [sampling[i] for i in live],
-                                  [len(contexts[i]) for i in live])
+                                  [len(contexts[i]) for i in live], parents)
             t_verify = time.perf_counter() - t0
+            if parents is not None:
+                target.keep_paths(state, result.accepted_nodes, result.num_accepted)
 
             keep_target, keep_draft, still = [], [], []
             for j, i in enumerate(live):
                 n_acc = int(result.num_accepted[j])
-                drafted = len(drafts[j].tokens)
+                drafted, nodes = _depth(drafts[j]), len(drafts[j].tokens)
                 ctl.observe(j, drafted, n_acc, drafts[j].match)
-                metrics[i]._count(drafted, n_acc)
-                total._count(drafted, n_acc)
+                metrics[i]._count(drafted, n_acc, nodes)
+                total._count(drafted, n_acc, nodes)
                 metrics[i].target_steps += 1
                 metrics[i].k_chosen[ks[j]] = metrics[i].k_chosen.get(ks[j], 0) + 1
                 old = len(contexts[i])
@@ -516,7 +523,7 @@ class SpeculativeDecoder:
         self._shape = (batch, max(n_prompt) + max_new)
         return [Generation(texts[i], gen[i], finish[i], metrics[i]) for i in range(batch)]
 
-    def _verify(self, rows, drafts, sampling, positions):
+    def _verify(self, rows, drafts, sampling, positions, parents=None):
         torch_rows = type(rows[0]).__module__.split(".", 1)[0] == "torch"
         if torch_rows:
             import torch
@@ -528,7 +535,7 @@ class SpeculativeDecoder:
         num_draft = np.array([len(d.tokens) for d in drafts], np.int32)
         q = _draft_probs(drafts, logits.shape[1])
         return _api.verify(
-            logits, tokens, num_draft, draft_probs=q,
+            logits, tokens, num_draft, draft_probs=q, parents=parents,
             temperature=np.array([s.temperature for s in sampling], np.float32),
             top_k=np.array([s.top_k for s in sampling], np.int32),
             top_p=np.array([s.top_p for s in sampling], np.float32),
@@ -567,6 +574,7 @@ class SpeculativeDecoder:
 
 
 def _clip(d: Draft, k: int) -> Draft:
+    """The first k nodes (a tree's nodes come best first, parents first)."""
     if len(d.tokens) <= k:
         return d
     if k <= 0:
@@ -576,7 +584,28 @@ def _clip(d: Draft, k: int) -> Draft:
         probs = _api.SparseProbs(probs.indices[:k], probs.values[:k])
     elif probs is not None:
         probs = probs[:k]
-    return Draft(list(d.tokens[:k]), probs, d.match)
+    parents = None if d.parents is None else list(d.parents[:k])
+    return Draft(list(d.tokens[:k]), probs, d.match, parents)
+
+
+def _depth(d: Draft) -> int:
+    """Nodes on the longest root-to-leaf path."""
+    if d.parents is None:
+        return len(d.tokens)
+    depth = []
+    for p in d.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
+def _parents(drafts):
+    """The batch's parents for verify: None when every draft is a chain."""
+    if all(d.parents is None for d in drafts):
+        return None
+    out = []
+    for d in drafts:
+        out.extend(range(-1, len(d.tokens) - 1) if d.parents is None else d.parents)
+    return np.array(out, np.int32)
 
 
 def _draft_probs(drafts, vocab):

@@ -45,18 +45,22 @@ class Sampling:
 
 @dataclass
 class Draft:
-    """A draft chain for one request.
+    """A draft chain or tree for one request.
 
     tokens : list of int, at most the k asked for (may be empty)
     probs : None (deterministic drafts), ``(len(tokens), V)`` float32, or SparseProbs
     match : int
         A confidence signal for the draft-length controller: for lookup drafts,
         how many context tokens the match covers (0 when unknown).
+    parents : None (a chain) or, per node, the index of its parent node (-1:
+        the last context token), parents first. Nodes come best first, so that
+        the first k nodes are the best tree of k.
     """
 
     tokens: list
     probs: object = None
     match: int = 0
+    parents: list | None = None
 
 
 class Drafter:
@@ -105,6 +109,10 @@ class NgramDrafter(Drafter):
     up to k tokens of its continuation. ``Draft.match`` is the matched length,
     which the draft length controller uses as the draft's confidence.
 
+    With ``branches > 1`` it drafts a tree instead (:meth:`tree`): the
+    continuations of several earlier occurrences merged, so that when the best
+    match goes wrong a sibling may still be right.
+
     Model-free and deterministic; an index of n-gram -> end positions is
     updated incrementally, so a lookup costs O(new tokens + candidates *
     match length).
@@ -121,11 +129,16 @@ class NgramDrafter(Drafter):
     cheap = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 32,
-                 max_match: int = 64):
+                 max_match: int = 64, branches: int = 1, decay: float = 0.9):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if branches < 1 or not 0.0 < decay < 1.0:
+            raise ValueError("need branches >= 1 and 0 < decay < 1")
         self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
         self.max_match = max(max_match, max_ngram)
+        self.branches, self.decay = branches, decay
+        if branches > 1:
+            self.name = f"ngram-tree{branches}"
         self._index: list = []
         self._indexed: list = []
 
@@ -152,23 +165,82 @@ class NgramDrafter(Drafter):
                 continue
             c = self.candidates
             cands = ends if len(ends) <= c else ends[:c // 2] + ends[-(c - c // 2):]
-            best, best_len, cap = -1, -1, self.max_match
+            best, best_len = -1, -1
             for e in cands:  # ascending: strict > keeps the earliest on ties
-                j = n
-                while j < cap and j <= e and ctx[e - j] == ctx[last - j]:
-                    j += 1
+                j = self._extend(ctx, e, n)
                 if j > best_len:
                     best, best_len = e, j
-                    if j >= cap:
+                    if j >= self.max_match:
                         break
             return best, best_len
         return -1, 0
+
+    def _extend(self, ctx, e, n):
+        """How far the match of the suffix ending at e reaches back (n known)."""
+        last, cap = len(ctx) - 1, self.max_match
+        while n < cap and n <= e and ctx[e - n] == ctx[last - n]:
+            n += 1
+        return n
+
+    def matches(self, i, ctx):
+        """Earlier occurrences of the context's suffix, best first: (end, matched
+        length) pairs, from the longest n-gram down until ``branches`` distinct
+        next tokens are found."""
+        last, found, firsts = len(ctx) - 1, {}, set()
+        for n in range(min(self.max_ngram, last), self.min_ngram - 1, -1):
+            ends = self._index[i].get(tuple(ctx[-n:]))
+            if not ends:
+                continue
+            c = self.candidates
+            for e in ends if len(ends) <= c else ends[:c // 2] + ends[-(c - c // 2):]:
+                if e not in found:
+                    found[e] = self._extend(ctx, e, n)
+                    firsts.add(ctx[e + 1])
+            if len(firsts) >= self.branches:
+                break
+        return sorted(found.items(), key=lambda m: (-m[1], m[0]))
+
+    def tree(self, i, ctx, k):
+        """A draft tree of at most k nodes merging the continuations of
+        :meth:`matches`.
+
+        A continuation weighs its matched length squared (a longer match is a
+        much better bet, as the chain's choice of the longest match assumes);
+        a node's score is the share
+        of weight whose continuation passes through it times ``decay ** depth``
+        (deeper tokens are less likely to survive), the n-gram analogue of
+        EAGLE-2's path confidence. The k best nodes form a tree (a child scores
+        below its parent), listed best first.
+        """
+        found = self.matches(i, ctx)
+        if not found:
+            return Draft([])
+        nodes, weight, children = [], [], {}  # node: (token, parent, depth)
+        for e, j in found:
+            parent = -1
+            for depth, tok in enumerate(ctx[e + 1:e + 1 + k]):
+                node = children.get((parent, tok))
+                if node is None:
+                    node = children[(parent, tok)] = len(nodes)
+                    nodes.append((tok, parent, depth))
+                    weight.append(0)
+                weight[node] += j * j
+                parent = node
+        scale = 1.0 / sum(j * j for _, j in found)
+        score = [w * scale * self.decay ** d for w, (_, _, d) in zip(weight, nodes)]
+        best = sorted(range(len(nodes)), key=lambda n: (-score[n], nodes[n][2], n))[:k]
+        local = {n: r for r, n in enumerate(best)}
+        return Draft([nodes[n][0] for n in best], None, found[0][1],
+                     [local[nodes[n][1]] if nodes[n][1] >= 0 else -1 for n in best])
 
     def propose(self, contexts, ks, sampling):
         out = []
         for i, (ctx, k) in enumerate(zip(contexts, ks)):
             if k > 0 and len(ctx) > self.min_ngram:
                 self._update(i, ctx)
+                if self.branches > 1:
+                    out.append(self.tree(i, ctx, k))
+                    continue
                 e, n = self.lookup(i, ctx)
                 if e >= 0:
                     out.append(Draft(list(ctx[e + 1:e + 1 + k]), None, n))
@@ -191,16 +263,23 @@ class ModelDrafter(Drafter):
     seed. ``p_min`` stops a chain early when the draft's probability of its own
     token falls below it (llama.cpp's ``--draft-p-min``).
 
+    With ``branches > 1`` it drafts a tree of k nodes instead (:meth:`tree`).
+
     The draft model must share the target's tokenizer (same vocabulary ids).
     """
 
     deterministic = False
 
-    def __init__(self, model, *, p_min: float = 0.0, sparse_top: int = 0):
+    def __init__(self, model, *, p_min: float = 0.0, sparse_top: int = 0, branches: int = 1):
+        if branches < 1:
+            raise ValueError("need branches >= 1")
         self.model = model
         self.p_min = p_min
         self.sparse_top = sparse_top
+        self.branches = branches
         self.name = f"model:{getattr(model, 'name', type(model).__name__)}"
+        if branches > 1:
+            self.name += f":tree{branches}"
         self._state = None
         self._fed: list = []
         self._peak = 0
@@ -221,6 +300,8 @@ class ModelDrafter(Drafter):
         logits = m.forward(self._state, feed, all_logits=False)
         for i in live:
             self._fed[i] = len(contexts[i])
+        if self.branches > 1:
+            return self.tree(contexts, ks, sampling, {i: logits[i][-1] for i in live})
         rows = {i: [] for i in live}
         qs = {i: [] for i in live}
         active = list(live)
@@ -256,6 +337,101 @@ class ModelDrafter(Drafter):
         self._peak = max(self._peak, m.kv_bytes(self._state))
         return drafts
 
+    def tree(self, contexts, ks, sampling, root_logits):
+        """Draft trees of ``ks[i]`` nodes, grown level by level as in EAGLE-2:
+        the ``branches`` best nodes of a level (by path confidence, the product
+        of draft probabilities) each get ``branches`` children.
+
+        Greedy and coupled requests take each node's children in the order of
+        the key the target itself uses (probability, or probability with the
+        request's Gumbel noise, the runner-ups after masking the winners), grow
+        more nodes than asked and keep the k most confident: their q is never
+        read (greedy verification takes q one-hot, coupled ignores it).
+        Rejection-sampling requests draw the children of a node without
+        replacement, each from the draft distribution with the earlier siblings
+        masked out, on a stream of its own, and report that distribution; every
+        drawn node is kept (dropping drawn nodes by their value would bias what
+        verification sees), so the tree stops at k draws.
+
+        The draft model runs the whole tree each level (a tree attention mask),
+        then rolls back to the context.
+        """
+        m = self.model
+        batch = len(contexts)
+        live = sorted(root_logits)
+        draws = {i: sampling[i].method == "rejection" and sampling[i].temperature > 0
+                 for i in live}
+        tok = {i: [] for i in live}
+        par = {i: [] for i in live}
+        score = {i: [] for i in live}
+        q = {i: [] for i in live}
+        level = {i: [-1] for i in live}  # nodes whose children come next
+        rows = {(i, -1): lg for i, lg in root_logits.items()}  # (i, node) -> logits
+        for depth in range(max(ks[i] for i in live)):
+            # drawn trees stop at k draws; ranked ones at 2k candidates
+            owners = [(i, n) for i in live for n in level[i]
+                      if depth < ks[i] and len(tok[i]) < (1 if draws[i] else 2) * ks[i]]
+            if not owners:
+                break
+            lg = _np_logits([rows[o] for o in owners]).copy()
+            s = [sampling[i] for i, _ in owners]
+            kw = dict(temperature=np.array([x.temperature for x in s], np.float32),
+                      top_k=np.array([x.top_k for x in s], np.int32),
+                      top_p=np.array([x.top_p for x in s], np.float32),
+                      min_p=np.array([x.min_p for x in s], np.float32))
+            q0 = _api.probs(lg, **kw)
+            pos = np.array([len(contexts[i]) + depth for i, _ in owners], np.int64)
+            born = {i: [] for i in live}
+            for j in range(min(self.branches, lg.shape[1])):
+                seeds = np.array([_sibling_seed(x, n, j) for x, (_, n) in zip(s, owners)],
+                                 np.uint64)
+                drawn = _api.sample(lg, **kw, seed=seeds, position=pos, method=s[0].method)
+                qj = _api.probs(lg, **kw) if any(draws[i] for i, _ in owners) else None
+                for r, (i, n) in enumerate(owners):
+                    t = int(drawn[r])
+                    sc = (1.0 if n < 0 else score[i][n]) * float(q0[r, t])
+                    if draws[i]:
+                        if len(tok[i]) >= ks[i]:
+                            continue
+                        q[i].append(qj[r])
+                    elif sc <= 0.0:
+                        continue
+                    born[i].append(len(tok[i]))
+                    tok[i].append(t)
+                    par[i].append(n)
+                    score[i].append(sc)
+                lg[np.arange(len(owners)), drawn] = -np.inf
+            grow = [i for i in live if born[i]]
+            for i in live:  # the most confident of the new nodes grow next
+                level[i] = sorted(born[i], key=lambda n: -score[i][n])[:self.branches]
+            if depth + 1 < max(ks[i] for i in live) and grow:
+                # one forward over the paths to the nodes that grow next
+                m.truncate(self._state, [len(c) - 1 for c in contexts])
+                sub = {i: _subtree(par[i], level[i]) for i in grow}
+                feed = [[contexts[i][-1]] + [tok[i][n] for n in sub[i][0]] if i in grow else []
+                        for i in range(batch)]
+                out = m.forward(self._state, feed, trees=[sub[i][1] if i in grow else None
+                                                          for i in range(batch)])
+                for i in grow:
+                    at = {n: r for r, n in enumerate(sub[i][0])}
+                    for n in level[i]:
+                        rows[(i, n)] = out[i][1 + at[n]]
+        m.truncate(self._state, [min(f, len(c) - 1) for f, c in zip(self._fed, contexts)])
+        self._fed = [min(f, len(c) - 1) for f, c in zip(self._fed, contexts)]
+        drafts = [Draft([], None) for _ in range(batch)]
+        for i in live:
+            if draws[i]:
+                probs = self._report(np.stack(q[i]), tok[i], sampling[i]) if tok[i] else None
+                drafts[i] = Draft(tok[i], probs, 0, par[i])
+                continue
+            best = sorted(range(len(tok[i])), key=lambda n: (-score[i][n], _depth_of(par[i], n),
+                                                             n))[:ks[i]]
+            local = {n: r for r, n in enumerate(best)}
+            drafts[i] = Draft([tok[i][n] for n in best], None, 0,
+                              [local[par[i][n]] if par[i][n] >= 0 else -1 for n in best])
+        self._peak = max(self._peak, m.kv_bytes(self._state))
+        return drafts
+
     def _report(self, q, tokens, s):
         if s.method == "coupled" or s.temperature == 0:
             return None  # coupled verification ignores q; greedy q is one-hot
@@ -284,6 +460,36 @@ class ModelDrafter(Drafter):
     def memory(self):
         kv = self.model.kv_bytes(self._state) if self._state is not None else 0
         return {"params": self.model.param_bytes(), "kv": kv, "kv_peak": max(self._peak, kv)}
+
+
+def _sibling_seed(s: Sampling, parent: int, j: int) -> int:
+    """The seed of the j-th child of a tree node. Coupled and greedy drafting
+    use the request's noise for every child (the runner-ups of the same race);
+    rejection mode gives each draw a stream of its own."""
+    seed = draft_seed(s.seed, s.method)
+    if s.method == "coupled":
+        return seed
+    return (seed + (parent + 2) * 0xD1B54A32D192ED03 + j * 0x8CB92BA72F3D8DD7) & ((1 << 64) - 1)
+
+
+def _subtree(parents, ends):
+    """(nodes, their parents re-indexed): the nodes on the paths to ``ends``,
+    parents first."""
+    keep = set()
+    for n in ends:
+        while n >= 0 and n not in keep:
+            keep.add(n)
+            n = parents[n]
+    nodes = sorted(keep)
+    at = {n: r for r, n in enumerate(nodes)}
+    return nodes, [at[parents[n]] if parents[n] >= 0 else -1 for n in nodes]
+
+
+def _depth_of(parents, n):
+    d = 0
+    while n >= 0:
+        n, d = parents[n], d + 1
+    return d
 
 
 def _np_logits(rows):

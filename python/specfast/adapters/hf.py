@@ -10,6 +10,12 @@ step without recomputing anything: a row only carries holes, which the 4-D
 attention mask hides and the rotary embedding never sees (positions are passed
 explicitly, so a token's position does not depend on its slot). When holes
 outgrow the live tokens, one gather per layer compacts the cache.
+
+A row may also append a token tree (its root, then draft nodes whose parents
+precede them): the new block is masked so that each node sees the prefix, its
+ancestors and itself, at position root + depth. After verification
+:meth:`HFModel.keep_paths` moves each row's accepted path to where a chain
+would hold it (:func:`specfast.kv_compact`, in place) and drops the siblings.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
+
+import numpy as np
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -47,6 +55,7 @@ class HFState:
     pos: object  # (B, S) int64, -1 where invalid
     lengths: list = field(default_factory=list)  # tokens per row
     peak_kv_bytes: int = 0
+    block: tuple = (0, 0)  # (first slot, width) of the last forward's new tokens
 
     @property
     def slots(self) -> int:
@@ -159,33 +168,53 @@ class HFModel:
             lengths=[0] * batch,
         )
 
-    def forward(self, state: HFState, tokens, all_logits: bool = True):
+    def forward(self, state: HFState, tokens, all_logits: bool = True, trees=None):
         """Appends ``tokens[b]`` to row b and returns each row's logits:
-        ``(len(tokens[b]), V)`` when ``all_logits`` else ``(min(1, len), V)``."""
+        ``(len(tokens[b]), V)`` when ``all_logits`` else ``(min(1, len), V)``.
+
+        ``trees[b]``, when given and not None, makes row b a tree: ``tokens[b]``
+        is its root followed by draft nodes, ``trees[b][i]`` the parent of node i
+        (-1: the root), as :func:`specfast.verify` takes them.
+        """
         torch = self.torch
         batch = len(tokens)
         counts = [len(t) for t in tokens]
         width = max(counts)
         if width == 0:
             return [torch.empty((0, self.vocab_size)) for _ in tokens]
-        if state.slots == 0 and batch > 1 and not all_logits and min(counts) != width:
+        if trees is not None and all(t is None for t in trees):
+            trees = None
+        if state.slots == 0 and batch > 1 and not all_logits and min(counts) != width \
+                and trees is None:
             return self._prefill_rows(state, tokens)
         ids = torch.zeros((batch, width), dtype=torch.long)
         new_valid = torch.zeros((batch, width), dtype=torch.bool)
         positions = torch.zeros((batch, width), dtype=torch.long)
+        block = None  # (B, T, T) who sees whom among the new tokens, for trees
+        if trees is not None:
+            block = torch.ones((width, width), dtype=torch.bool).tril().repeat(batch, 1, 1)
         for b, (row, n) in enumerate(zip(tokens, counts)):
             if n:
                 ids[b, width - n:] = torch.as_tensor(row, dtype=torch.long)
                 new_valid[b, width - n:] = True
-                positions[b, width - n:] = torch.arange(state.lengths[b], state.lengths[b] + n)
+                depth = torch.arange(n)
+                if trees is not None and trees[b] is not None:
+                    if len(trees[b]) != n - 1:
+                        raise ValueError(f"row {b}: {len(trees[b])} parents for {n - 1} nodes")
+                    seen, depth = _api_tree_mask(trees[b])
+                    block[b, width - n:, width - n:] = torch.from_numpy(seen)
+                    depth = torch.from_numpy(depth).long()
+                positions[b, width - n:] = state.lengths[b] + depth
         slots = state.slots
         key_valid = torch.cat([state.valid, new_valid], dim=1)  # (B, S + T)
-        if bool(key_valid.all()):
+        if bool(key_valid.all()) and block is None:
             mask = None  # no holes, no padding: the model's own causal mask is exact
         else:
             q_slot = torch.arange(width).unsqueeze(1) + slots
             causal = torch.arange(slots + width).unsqueeze(0) <= q_slot  # (T, S + T)
             mask = key_valid[:, None, None, :] & causal[None, None]
+            if block is not None:
+                mask[:, 0, :, slots:] &= block
             # every query sees itself, so padded queries never meet an all-masked row
             diag = torch.arange(width)
             mask[:, 0, diag, slots + diag] = True
@@ -202,6 +231,7 @@ class HFModel:
         state.pos = torch.cat([state.pos, new_pos], dim=1)
         state.lengths = [n0 + n for n0, n in zip(state.lengths, counts)]
         state.peak_kv_bytes = max(state.peak_kv_bytes, self.kv_bytes(state))
+        state.block = (slots, width)
         if all_logits:
             return [logits[b, width - n:] for b, n in enumerate(counts)]
         return [logits[b, -1:] if n else logits[b, :0] for b, n in enumerate(counts)]
@@ -243,6 +273,40 @@ class HFModel:
         state.lengths = [len(t) for t in tokens]
         state.peak_kv_bytes = max(state.peak_kv_bytes, self.kv_bytes(state))
         return logits
+
+    def keep_paths(self, state: HFState, accepted_nodes, num_accepted) -> None:
+        """After a forward with ``trees``: row b keeps its root and the nodes
+        ``accepted_nodes[b, :num_accepted[b]]`` (as :func:`specfast.verify`
+        returns them), moved in place to the slots after the root, as after a
+        chain; the other nodes of its tree are dropped. Chain rows (identity
+        paths) are unchanged. Call :meth:`truncate` next, as after a chain."""
+        from .._tree import kv_compact
+
+        torch = self.torch
+        start, width = state.block
+        nodes = np.ascontiguousarray(accepted_nodes, np.int32)
+        acc = np.ascontiguousarray(num_accepted, np.int32)
+        if nodes.shape[0] != len(state.lengths):
+            raise ValueError(f"{nodes.shape[0]} paths for a batch of {len(state.lengths)}")
+        nodes = nodes[:, :max(1, int(acc.max(initial=0)))]
+        # the tokens each row appended, right-aligned in the block
+        counts = state.valid[:, start:start + width].sum(dim=1).tolist()
+        if np.any(acc > np.maximum(np.array(counts) - 1, 0)):
+            raise ValueError("a path longer than its row's tree")
+        roots = np.array([start + width - n for n in counts], np.int64)
+        for layer in state.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                kv_compact(layer.keys, nodes, acc, roots, batch_axis=0, seq_axis=2)
+                kv_compact(layer.values, nodes, acc, roots, batch_axis=0, seq_axis=2)
+        for b, (root, n, n_new) in enumerate(zip(roots.tolist(), acc.tolist(), counts)):
+            if n_new == 0:
+                continue
+            lo, root_pos = root + 1, int(state.pos[b, root])
+            state.valid[b, lo:start + width] = False
+            state.valid[b, lo:lo + n] = True
+            state.pos[b, lo:start + width] = -1
+            state.pos[b, lo:lo + n] = torch.arange(root_pos + 1, root_pos + 1 + n)
+            state.lengths[b] = root_pos + 1 + n
 
     def truncate(self, state: HFState, lengths) -> None:
         """Rolls row b back to its first ``lengths[b]`` tokens."""
@@ -300,6 +364,13 @@ class HFModel:
             layer.values = layer.values.gather(2, gather)
         state.pos = torch.where(valid, state.pos.gather(1, index), torch.full_like(index, -1))
         state.valid = valid
+
+
+def _api_tree_mask(parents):
+    """(mask, depth) of one tree, root included."""
+    from .._tree import tree_mask
+
+    return tree_mask(np.asarray(parents, np.int32))
 
 
 def _quiet_transformers() -> None:

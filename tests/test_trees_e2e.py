@@ -1,0 +1,208 @@
+"""Token trees end to end on tiny random transformers models: the tree forward,
+keeping the accepted path, n-gram trees, and exactness of tree decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import specfast  # noqa: E402
+from specfast.decoder import SpeculativeDecoder  # noqa: E402
+from specfast.drafters import ModelDrafter, NgramDrafter, Sampling  # noqa: E402
+
+from stats import assert_outcomes, scaled  # noqa: E402
+from test_decoder import PROMPTS, full_logits, one_thread, reference, tiny_model  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0)
+
+
+def path_to(parents, node):
+    """Nodes from the root's child down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_forward_equals_a_forward_per_path(target):
+    """Every node's logits are those after the prefix and its own path, and a
+    chain row and a tree row share a batch."""
+    prompts = [[3, 7, 11, 3, 7], [5, 9]]
+    tree = ([40, 41, 42, 43, 44, 45], [-1, -1, 0, 0, 2, 1])
+    state = target.new_state(2)
+    target.forward(state, [p[:-1] for p in prompts], all_logits=False)
+    rows = target.forward(state, [[prompts[0][-1]] + tree[0], [prompts[1][-1], 20, 21]],
+                          trees=[tree[1], None])
+    got = rows[0].float().numpy()
+    np.testing.assert_allclose(got[0], full_logits(target, prompts[0])[0], atol=1e-5)
+    for node in range(len(tree[0])):
+        path = [tree[0][n] for n in path_to(tree[1], node)]
+        want = full_logits(target, prompts[0] + path)[0]
+        np.testing.assert_allclose(got[1 + node], want, atol=1e-5, err_msg=f"node {node}")
+    np.testing.assert_allclose(rows[1][-1].float().numpy(),
+                               full_logits(target, prompts[1] + [20, 21])[0], atol=1e-5)
+
+
+def test_keep_paths_leaves_the_cache_of_a_chain(target):
+    """After keeping a path, the next forward sees the prefix and the path only."""
+    prompt = [3, 7, 11, 3, 7]
+    tokens, parents = [40, 41, 42, 43, 44], [-1, -1, 1, 1, 3]
+    for path in ([], [1], [1, 3], [1, 3, 4], [0]):
+        state = target.new_state(1)
+        target.forward(state, [prompt[:-1]], all_logits=False)
+        target.forward(state, [[prompt[-1]] + tokens], trees=[parents])
+        nodes = np.full((1, 4), -1, np.int32)
+        nodes[0, :len(path)] = path
+        target.keep_paths(state, nodes, np.array([len(path)], np.int32))
+        kept = prompt + [tokens[n] for n in path]
+        target.truncate(state, [len(kept)])
+        assert state.lengths == [len(kept)]
+        got = target.forward(state, [[33]])[0][-1].float().numpy()
+        np.testing.assert_allclose(got, full_logits(target, kept + [33])[0], atol=1e-5,
+                                   err_msg=f"path {path}")
+
+
+def test_keep_paths_rejects_a_path_longer_than_its_tree(target):
+    state = target.new_state(1)
+    target.forward(state, [[1, 2]], all_logits=False)
+    target.forward(state, [[3, 4]], trees=[[-1]])
+    with pytest.raises(ValueError, match="longer"):
+        target.keep_paths(state, np.array([[0, 1]], np.int32), np.array([2], np.int32))
+
+
+def test_tree_forward_checks_parents(target):
+    state = target.new_state(1)
+    with pytest.raises(ValueError, match="parents"):
+        target.forward(state, [[1, 2, 3]], trees=[[-1]])
+
+
+def check_tree(draft, k):
+    n = len(draft.tokens)
+    assert n <= k and len(draft.parents) == n
+    assert all(-1 <= p < i for i, p in enumerate(draft.parents))
+    seen = set()
+    for i, p in enumerate(draft.parents):  # siblings carry different tokens
+        assert (p, draft.tokens[i]) not in seen
+        seen.add((p, draft.tokens[i]))
+
+
+def test_ngram_tree_merges_continuations():
+    ctx = [1, 2, 3, 9, 9, 1, 2, 4, 8, 8, 5, 1, 2, 3, 7, 1, 2]
+    d = NgramDrafter(branches=3)
+    d.start([ctx], [Sampling()])
+    draft = d.propose([ctx], [8], [Sampling()])[0]
+    check_tree(draft, 8)
+    roots = [t for t, p in zip(draft.tokens, draft.parents) if p == -1]
+    assert sorted(roots) == [3, 4]  # "1 2" was followed by 3 (twice) and by 4
+    # "1 2 3" continues with 9 and with 7: the tree branches below 3
+    three = draft.tokens.index(3)
+    assert sorted(t for t, p in zip(draft.tokens, draft.parents) if p == three) == [7, 9]
+    # the first node is the chain drafter's first token; the first k nodes are a tree
+    chain = NgramDrafter()
+    chain.start([ctx], [Sampling()])
+    assert draft.tokens[0] == chain.propose([ctx], [8], [Sampling()])[0].tokens[0]
+    for k in range(1, 9):
+        small = d.propose([ctx], [k], [Sampling()])[0]
+        check_tree(small, k)
+
+
+def test_ngram_tree_random_contexts_are_valid_trees():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ctx = rng.integers(0, 4, size=int(rng.integers(2, 60))).tolist()
+        d = NgramDrafter(branches=int(rng.integers(2, 6)), max_ngram=3)
+        d.start([ctx], [Sampling()])
+        k = int(rng.integers(1, 12))
+        draft = d.propose([ctx], [k], [Sampling()])[0]
+        if draft.tokens:
+            check_tree(draft, k)
+        for i in range(len(draft.tokens)):  # each path followed the last token earlier on
+            seq = [ctx[-1]] + [draft.tokens[n] for n in path_to(draft.parents, i)]
+            assert any(ctx[s:s + len(seq)] == seq for s in range(len(ctx) - 1))
+
+
+@pytest.mark.parametrize("k", ["auto", 3, 8], ids=lambda k: f"k={k}")
+def test_tree_greedy_matches_plain_decoding(target, k):
+    dec = SpeculativeDecoder(target, NgramDrafter(branches=3), k=k)
+    out = dec.generate(PROMPTS, 30)  # a batch: different trees per row
+    for prompt, g in zip(PROMPTS, out):
+        assert g.tokens == reference(target, prompt, 30, temperature=0.0), prompt
+    assert dec.last_metrics.draft_n > 0
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5)],
+                         ids=["t1", "t0.7-topk5"])
+def test_tree_coupled_matches_plain_coupled_sampling(target, params):
+    seeds = [5, 6, 7, 8]
+    out = SpeculativeDecoder(target, NgramDrafter(branches=4), k=6).generate(
+        PROMPTS, 24, seed=seeds, method="coupled", **params)
+    for prompt, seed, g in zip(PROMPTS, seeds, out):
+        assert g.tokens == reference(target, prompt, 24, seed=seed, method="coupled", **params)
+
+
+@pytest.mark.parametrize("k", ["auto", 5], ids=lambda k: f"k={k}")
+def test_model_tree_matches_plain_decoding(target, k):
+    """A draft model's trees (ranked by path confidence): greedy and coupled output
+    equal plain decoding's, in a batch."""
+    dec = SpeculativeDecoder(target, ModelDrafter(tiny_model(seed=1, layers=1), branches=3), k=k)
+    out = dec.generate(PROMPTS, 24)
+    for prompt, g in zip(PROMPTS, out):
+        assert g.tokens == reference(target, prompt, 24, temperature=0.0), prompt
+    seeds = [1, 2, 3, 4]
+    out = dec.generate(PROMPTS, 24, temperature=0.8, top_k=6, seed=seeds, method="coupled")
+    for prompt, seed, g in zip(PROMPTS, seeds, out):
+        assert g.tokens == reference(target, prompt, 24, seed=seed, method="coupled",
+                                     temperature=0.8, top_k=6)
+    assert dec.last_metrics.draft_n > 0
+
+
+def test_model_tree_draws_siblings_without_replacement():
+    """In rejection mode siblings are drawn without replacement and each reports
+    the distribution it was drawn from: those rows sum to 1 and exclude the
+    earlier siblings."""
+    draft = ModelDrafter(tiny_model(vocab=12, seed=5, layers=1), branches=3)
+    s = Sampling(temperature=1.0, seed=9, method="rejection")
+    ctx = [1, 2, 3, 4]
+    draft.start([ctx], [s])
+    d = draft.propose([ctx], [7], [s])[0]
+    check_tree(d, 7)
+    assert len(d.tokens) == 7 and d.probs.shape == (7, 12)
+    np.testing.assert_allclose(d.probs.sum(axis=1), 1.0, atol=1e-5)
+    for i, p in enumerate(d.parents):
+        assert d.probs[i, d.tokens[i]] > 0
+        for j in range(i):
+            if d.parents[j] == p:  # an earlier sibling
+                assert d.probs[i, d.tokens[j]] == 0
+    again = ModelDrafter(draft.model, branches=3)
+    again.start([ctx], [s])
+    assert again.propose([ctx], [7], [s])[0].tokens == d.tokens  # reproducible
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_tree_rejection_sampling_is_exact(drafter):
+    """The joint distribution of the first two tokens equals the target's when
+    every step verifies a tree of deterministic candidates."""
+    target = tiny_model(vocab=6, seed=3, scale=0.4)
+    prompt = [1, 2, 1, 3, 1, 2, 4, 1]
+    n = scaled(6000)
+    d = NgramDrafter(max_ngram=2, branches=3) if drafter == "ngram" else \
+        ModelDrafter(tiny_model(vocab=6, seed=4, scale=0.4), branches=2)
+    dec = SpeculativeDecoder(target, d, k=3)
+    # 3 new tokens: the first step may draft 2 nodes ("1" was followed by 2 and 3)
+    out = dec.generate([prompt] * n, 3, temperature=1.0, seed=list(range(n)),
+                       method="rejection")
+    p1 = specfast.probs(full_logits(target, prompt))[0]
+    expected = {}
+    for a in range(6):
+        p2 = specfast.probs(full_logits(target, prompt + [a]))[0]
+        for b in range(6):
+            expected[(a, b)] = float(p1[a] * p2[b])
+    assert_outcomes([tuple(g.tokens[:2]) for g in out], expected, f"rejection/tree/{drafter}")
+    assert sum(g.metrics.draft_n for g in out) > 2 * n  # trees of siblings were verified
