@@ -206,3 +206,18 @@ def test_tree_rejection_sampling_is_exact(drafter):
             expected[(a, b)] = float(p1[a] * p2[b])
     assert_outcomes([tuple(g.tokens[:2]) for g in out], expected, f"rejection/tree/{drafter}")
     assert sum(g.metrics.draft_n for g in out) > 2 * n  # trees of siblings were verified
+
+
+def test_trees_need_a_target_that_takes_them(target):
+    class ChainsOnly:  # an adapter without tree forwards (llama.cpp's)
+        pass
+
+    with pytest.raises(ValueError, match="chains only"):
+        SpeculativeDecoder(ChainsOnly(), NgramDrafter(branches=2))
+    with pytest.raises(ValueError, match="chains only"):
+        ModelDrafter(ChainsOnly(), branches=2)
+    with pytest.raises(ValueError, match="branches"):
+        NgramDrafter(branches=0)
+    from specfast.drafters import make
+
+    assert make("ngram:4", branches=3).branches == 3

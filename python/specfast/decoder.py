@@ -324,6 +324,9 @@ class SpeculativeDecoder:
                  max_k: int | None = None, **controller):
         self.target = target
         self.drafter = drafter
+        if getattr(drafter, "branches", 1) > 1 and not hasattr(target, "keep_paths"):
+            raise ValueError(f"{type(target).__name__} verifies chains only: use a drafter "
+                             f"with branches=1")
         if drafter is None:
             k = 0
         if k != "auto" and (not isinstance(k, int) or k < 0):

@@ -273,6 +273,8 @@ class ModelDrafter(Drafter):
     def __init__(self, model, *, p_min: float = 0.0, sparse_top: int = 0, branches: int = 1):
         if branches < 1:
             raise ValueError("need branches >= 1")
+        if branches > 1 and not hasattr(model, "keep_paths"):
+            raise ValueError(f"{type(model).__name__} runs chains only: trees need branches=1")
         self.model = model
         self.p_min = p_min
         self.sparse_top = sparse_top
@@ -309,10 +311,7 @@ class ModelDrafter(Drafter):
         while active:
             lg = _np_logits([logits[i][-1] for i in active])
             s = [sampling[i] for i in active]
-            kw = dict(temperature=np.array([x.temperature for x in s], np.float32),
-                      top_k=np.array([x.top_k for x in s], np.int32),
-                      top_p=np.array([x.top_p for x in s], np.float32),
-                      min_p=np.array([x.min_p for x in s], np.float32))
+            kw = self._filters(s)
             q = _api.probs(lg, **kw)
             tok = _api.sample(lg, **kw, seed=np.array([draft_seed(x.seed, x.method) for x in s],
                                                      np.uint64),
@@ -375,10 +374,7 @@ class ModelDrafter(Drafter):
                 break
             lg = _np_logits([rows[o] for o in owners]).copy()
             s = [sampling[i] for i, _ in owners]
-            kw = dict(temperature=np.array([x.temperature for x in s], np.float32),
-                      top_k=np.array([x.top_k for x in s], np.int32),
-                      top_p=np.array([x.top_p for x in s], np.float32),
-                      min_p=np.array([x.min_p for x in s], np.float32))
+            kw = self._filters(s)
             q0 = _api.probs(lg, **kw)
             pos = np.array([len(contexts[i]) + depth for i, _ in owners], np.int64)
             born = {i: [] for i in live}
@@ -432,17 +428,26 @@ class ModelDrafter(Drafter):
         self._peak = max(self._peak, m.kv_bytes(self._state))
         return drafts
 
+    def _filters(self, s):
+        """The draft distribution's parameters; with ``sparse_top`` K, the
+        drafter draws from its K most probable tokens only, so that K ids and
+        probabilities state q exactly."""
+        top_k = np.array([x.top_k for x in s], np.int32)
+        if self.sparse_top:
+            top_k = np.where((top_k <= 0) | (top_k > self.sparse_top), self.sparse_top, top_k)
+        return dict(temperature=np.array([x.temperature for x in s], np.float32), top_k=top_k,
+                    top_p=np.array([x.top_p for x in s], np.float32),
+                    min_p=np.array([x.min_p for x in s], np.float32))
+
     def _report(self, q, tokens, s):
         if s.method == "coupled" or s.temperature == 0:
             return None  # coupled verification ignores q; greedy q is one-hot
-        if self.sparse_top:
+        if self.sparse_top:  # q has at most sparse_top nonzero entries (see _filters)
             k = min(self.sparse_top, q.shape[1])
-            idx = np.argsort(-q, axis=1, kind="stable")[:, :k]
-            # the drawn token must be representable: it always is when q is
-            # concentrated on <= k tokens; otherwise fall back to dense
+            idx = np.argsort(-q, axis=1, kind="stable")[:, :k].astype(np.int32)
             vals = np.take_along_axis(q, idx, axis=1)
-            if np.allclose(vals.sum(axis=1), 1.0, atol=1e-6):
-                return _api.SparseProbs(idx, vals / vals.sum(axis=1, keepdims=True))
+            idx[vals <= 0] = -1
+            return _api.SparseProbs(idx, np.where(idx >= 0, vals, 0).astype(np.float32))
         return q
 
     def rollback(self, lengths):
@@ -502,15 +507,16 @@ def _np_logits(rows):
     return np.stack([np.asarray(r, np.float32) for r in rows])
 
 
-def make(spec: str, target=None, **kwargs) -> Drafter:
+def make(spec: str, target=None, *, branches: int = 1, **kwargs) -> Drafter:
     """A drafter from a short spec: ``"ngram"``, ``"ngram:4"`` (max n-gram) or a
-    model path (folder or ``.gguf``) loaded with the HF adapter."""
+    model path (folder or ``.gguf``) loaded with the HF adapter; ``branches > 1``
+    drafts trees."""
     if spec == "ngram" or spec.startswith("ngram:"):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 3
-        return NgramDrafter(max_ngram=n, min_ngram=1)
+        return NgramDrafter(max_ngram=n, min_ngram=1, branches=branches)
     from .adapters import load
 
-    return ModelDrafter(load(spec, **kwargs))
+    return ModelDrafter(load(spec, **kwargs), branches=branches)
 
 
 __all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "Sampling", "draft_seed", "make"]

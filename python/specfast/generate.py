@@ -21,7 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt text (repeat for a batch); '-' reads stdin")
     parser.add_argument("--raw", action="store_true", help="no chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("-k", "--draft-length", default="auto", help="'auto' or a fixed k")
+    parser.add_argument("-k", "--draft-length", default="auto",
+                        help="'auto' or a fixed k (drafted tokens, or tree nodes, per step)")
+    parser.add_argument("--tree", type=int, default=1, metavar="N",
+                        help="draft token trees of N branches per node (1: chains)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -38,19 +41,14 @@ def run(args) -> int:
 
     from .adapters.hf import HFModel, smollm2_path
     from .decoder import SpeculativeDecoder
-    from .drafters import ModelDrafter, NgramDrafter
+    from .drafters import make
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
     target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
-    if args.drafter == "none":
-        drafter = None
-    elif args.drafter == "ngram" or args.drafter.startswith("ngram:"):
-        n = int(args.drafter.split(":", 1)[1]) if ":" in args.drafter else 3
-        drafter = NgramDrafter(max_ngram=n, min_ngram=1)
-    else:
-        drafter = ModelDrafter(HFModel.from_pretrained(args.drafter, chat=not args.raw))
+    drafter = None if args.drafter == "none" else \
+        make(args.drafter, branches=args.tree, chat=not args.raw)
     k = args.draft_length if args.draft_length == "auto" else int(args.draft_length)
     dec = SpeculativeDecoder(target, drafter, k=k)
     single = len(prompts) == 1

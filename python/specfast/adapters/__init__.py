@@ -10,6 +10,10 @@ sequences whose KV caches it keeps. The decoder only calls:
   tensors;
 - ``truncate(state, lengths)``: roll sequence b back to its first
   ``lengths[b]`` tokens (what the target rejected);
+- for token trees, ``forward(..., trees=parents per row)`` (row b's tokens are
+  a root and draft nodes, each seeing its ancestors only) and
+  ``keep_paths(state, accepted_nodes, num_accepted)``, which leaves each row as
+  if its accepted path had been a chain; adapters without them take chains only;
 - ``encode(prompt)`` / ``decode(ids)`` / ``eos_token_ids`` / ``vocab_size``;
 - ``param_bytes()`` and ``kv_bytes(state)`` / ``kv_bytes_per_token()`` for the
   memory report.
