@@ -1,4 +1,4 @@
-"""The ``specfast`` command: ``info``, ``bench``, ``demo``, ``generate``.
+"""The ``specfast`` command: ``info``, ``bench``, ``demo``, ``generate``, ``serve-drafter``.
 
 Each subcommand lives in its own module and is imported only when it runs,
 so ``specfast info`` needs nothing beyond the core.
@@ -16,6 +16,7 @@ _COMMANDS = {
     "bench": ("specfast._bench_cli", "microbenchmarks of verify against numpy.max and torch"),
     "demo": ("specfast.demo", "speculative decoding of a real model, plain vs speculative"),
     "generate": ("specfast.generate", "generate with any target/drafter pair"),
+    "serve-drafter": ("specfast.remote.serve_cli", "serve a drafter to targets on other machines"),
 }
 
 

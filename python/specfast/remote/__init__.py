@@ -1,0 +1,12 @@
+"""Drafting over the network: ``specfast serve-drafter`` on the drafter's
+machine, :class:`RemoteDrafter` in the target's decoder. The wire format is
+``drafter.proto`` (protocol version 1); ``drafter_pb2*.py`` are generated from
+it with ``python -m grpc_tools.protoc -I python --python_out=python
+--grpc_python_out=python python/specfast/remote/drafter.proto``.
+Needs ``pip install specfast[remote]`` (grpcio, protobuf).
+"""
+
+from .client import RemoteDrafter, RemoteError, TransferStats
+from .server import VERSION, serve
+
+__all__ = ["RemoteDrafter", "RemoteError", "TransferStats", "VERSION", "serve"]

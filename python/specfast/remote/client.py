@@ -1,0 +1,316 @@
+"""The target side: :class:`RemoteDrafter`, a drafter on another machine.
+
+It is a :class:`specfast.drafters.Drafter` like any other: the decoder calls
+``start``, ``propose``, ``rollback`` and ``select``; it turns them into one
+gRPC stream per generation that carries only what changed (the verified
+tokens since the last step, the rollback lengths, the draft lengths) and
+brings back drafts in the payload chosen (token ids; K ids and probabilities;
+dense rows).
+
+Faults never stop or change a generation: every wait is bounded, and while the
+drafter is unreachable, slow, restarted or gone, drafts come from a local
+fallback (the n-gram drafter by default, kept in step all along) and the
+connection is retried in the background; when it is back, a new session sends
+the full contexts and drafting moves back to the remote side. The output does
+not depend on which drafter proposed (greedy and coupled), or stays exact
+because every draft carries the distribution it was drawn from (rejection).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import _api
+from ..drafters import Draft, Drafter, NgramDrafter
+from . import drafter_pb2 as pb
+from .server import MAX_MESSAGE, VERSION
+
+PAYLOADS = {"tokens": pb.TOKENS, "topk": pb.TOP_K, "dense": pb.DENSE}
+
+
+class RemoteError(RuntimeError):
+    """The drafter refused the session (version, token, payload, message)."""
+
+
+@dataclass
+class TransferStats:
+    """What travelled: bytes each way (serialized messages), steps, round trips."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    steps: int = 0  # steps drafted remotely
+    local_steps: int = 0  # steps drafted by the fallback
+    drafted: int = 0  # tokens drafted remotely
+    sessions: int = 0
+    failures: list = field(default_factory=list)
+    round_trips: list = field(default_factory=list)  # seconds per remote step
+
+    @property
+    def bytes_per_step(self) -> float:
+        return (self.bytes_sent + self.bytes_received) / self.steps if self.steps else 0.0
+
+    @property
+    def bytes_per_drafted_token(self) -> float:
+        return (self.bytes_sent + self.bytes_received) / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(bytes_per_step=self.bytes_per_step,
+                 bytes_per_drafted_token=self.bytes_per_drafted_token)
+        return d
+
+
+class _Stream:
+    """One gRPC bidirectional stream with bounded waits."""
+
+    def __init__(self, stub, timeout):
+        self._out: queue.Queue = queue.Queue()
+        self._in: queue.Queue = queue.Queue()
+        self._call = stub.Session(iter(self._out.get, None))
+        self.timeout = timeout
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        try:
+            for msg in self._call:
+                self._in.put(msg)
+        except Exception as e:  # the stream broke: wake the reader up
+            self._in.put(e)
+        self._in.put(EOFError("the drafter closed the stream"))
+
+    def send(self, msg):
+        self._out.put(msg)
+
+    def receive(self, timeout=None):
+        try:
+            msg = self._in.get(timeout=self.timeout if timeout is None else timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from the drafter within {self.timeout} s") from None
+        if isinstance(msg, Exception):
+            raise ConnectionError(str(msg)) from msg
+        if msg.WhichOneof("msg") == "error":
+            raise RemoteError(msg.error.message)
+        return msg
+
+    def close(self):
+        self._out.put(None)
+        self._call.cancel()
+
+
+class RemoteDrafter(Drafter):
+    """Drafts on a remote ``specfast serve-drafter``.
+
+    Parameters
+    ----------
+    address : "host:port"
+    payload : {"tokens", "topk", "dense"}
+        What a draft carries: token ids only (deterministic drafters, or coupled
+        mode), the ``top_k`` ids and probabilities the drafter sampled from, or
+        dense rows (for reference).
+    vocab_size : int
+        The target's vocabulary (drafts are checked against it).
+    timeout : float
+        Seconds to wait for a draft (or a connection) before drafting locally.
+    fallback : Drafter or None
+        Drafts while the remote drafter is away; default an n-gram drafter.
+    retry : float
+        Seconds between reconnection attempts.
+    auth_token : str or None
+        Sent at connect; the server refuses a session without the right one.
+    tls : bytes or None
+        PEM root certificate(s) to connect with TLS; None: plain TCP.
+
+    Examples
+    --------
+    >>> dec = SpeculativeDecoder(target, RemoteDrafter("10.0.0.2:50061",
+    ...                          vocab_size=target.vocab_size))   # doctest: +SKIP
+    """
+
+    cheap = False
+
+    def __init__(self, address: str, *, payload: str = "tokens", top_k: int = 8,
+                 vocab_size: int, timeout: float = 2.0, fallback: Drafter | None = None,
+                 retry: float = 1.0, auth_token: str | None = None, tls: bytes | None = None):
+        import grpc
+
+        from . import drafter_pb2_grpc as pb_grpc
+
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload must be one of {sorted(PAYLOADS)}, got {payload!r}")
+        if payload == "topk" and not 1 <= top_k <= 1024:
+            raise ValueError("top_k must be in [1, 1024]")
+        self.address, self.payload, self.top_k = address, payload, top_k
+        self.vocab_size, self.timeout, self.retry = int(vocab_size), timeout, retry
+        self.auth_token = auth_token
+        self.fallback = fallback if fallback is not None else NgramDrafter()
+        self.name = f"remote:{address}"
+        self.deterministic = payload == "tokens"
+        backoff = max(100, int(1000 * retry))  # grpc's own reconnect backoff, in ms
+        opts = [("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.initial_reconnect_backoff_ms", backoff),
+                ("grpc.min_reconnect_backoff_ms", backoff),
+                ("grpc.max_reconnect_backoff_ms", backoff)]
+        self._channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls), opts)
+                         if tls is not None else grpc.insecure_channel(address, opts))
+        self._stub = pb_grpc.DrafterStub(self._channel)
+        self._grpc = grpc
+        self.stats = TransferStats()
+        self.remote_name = None
+        self._stream = None
+        self._next_try = 0.0
+        self._contexts: list = []
+        self._sampling: list = []
+        self._sent: list = []  # tokens of each context the remote side holds
+        self._keep = None
+        self._select = None
+        self._step = 0
+
+    # -- the Drafter interface ------------------------------------------------
+    def start(self, contexts, sampling):
+        self.fallback.start(contexts, sampling)
+        self._contexts = [list(c) for c in contexts]
+        self._sampling = list(sampling)
+        self._close()
+        self._next_try = 0.0
+        self._connect(strict=True)
+
+    def propose(self, contexts, ks, sampling):
+        self._contexts = contexts
+        if self._stream is None and time.monotonic() >= self._next_try:
+            self._connect()
+        if self._stream is not None:
+            try:
+                return self._remote(contexts, ks)
+            except (TimeoutError, ConnectionError, RemoteError) as e:
+                self._lost(e)
+        self.stats.local_steps += 1
+        return self.fallback.propose(contexts, ks, sampling)
+
+    def rollback(self, lengths):
+        self.fallback.rollback(lengths)
+        self._keep = [int(n) for n in lengths]
+
+    def select(self, rows):
+        self.fallback.select(rows)
+        rows = list(rows)
+        self._sampling = [self._sampling[r] for r in rows]
+        if self._stream is not None:
+            self._sent = [self._sent[r] for r in rows]
+            # a later select composes with one not yet sent
+            self._select = rows if self._select is None else [self._select[r] for r in rows]
+
+    def close(self):
+        self._close()
+        self._channel.close()
+
+    # -- the session ----------------------------------------------------------
+    def _connect(self, strict=False):
+        """Opens a session with the current contexts; on failure, retry later.
+        ``strict``: a refusal (version, token, payload) raises RemoteError: a
+        configuration error is said at the start, not decoded around."""
+        try:
+            stream = _Stream(self._stub, self.timeout)
+            hello = pb.Hello(version=VERSION, auth_token=self.auth_token or "",
+                             payload=PAYLOADS[self.payload], top_k=self.top_k,
+                             vocab_size=self.vocab_size)
+            for ctx, s in zip(self._contexts, self._sampling):
+                hello.requests.add(tokens=ctx, sampling=pb.Sampling(
+                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                    min_p=s.min_p, seed=s.seed & ((1 << 64) - 1),
+                    coupled=s.method == "coupled"))
+            msg = pb.ToDrafter(hello=hello)
+            stream.send(msg)
+            reply = stream.receive()
+            self.stats.bytes_sent += msg.ByteSize()  # it arrived: it was answered
+            self.stats.bytes_received += reply.ByteSize()
+            if reply.WhichOneof("msg") != "welcome" or reply.welcome.version != VERSION:
+                stream.close()
+                raise RemoteError("the drafter answered hello with something else")
+        except RemoteError as e:
+            self._lost(e)
+            if strict:
+                raise
+            return
+        except (TimeoutError, ConnectionError) as e:
+            self._lost(e)
+            return
+        self._stream = stream
+        self.remote_name = reply.welcome.drafter
+        self.stats.sessions += 1
+        self._sent = [len(c) for c in self._contexts]
+        self._keep = self._select = None
+        self._step = 0
+
+    def _lost(self, why):
+        self.stats.failures.append(f"{type(why).__name__}: {why}")
+        self._close()
+        self._next_try = time.monotonic() + self.retry
+
+    def _close(self):
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _remote(self, contexts, ks):
+        t0 = time.perf_counter()
+        self._step += 1
+        step = pb.Step(step=self._step)
+        if self._keep is not None:
+            step.keep.extend(self._keep)
+        if self._select is not None:
+            step.select.extend(self._select)
+        for i, (ctx, k) in enumerate(zip(contexts, ks)):
+            step.updates.add(append=ctx[self._sent[i]:], k=int(k))
+        msg = pb.ToDrafter(step=step)
+        self._stream.send(msg)
+        self._sent = [len(c) for c in contexts]
+        self._keep = self._select = None
+        self.stats.bytes_sent += msg.ByteSize()
+        while True:
+            reply = self._stream.receive()
+            if reply.WhichOneof("msg") != "drafts":
+                raise RemoteError("expected drafts")
+            if reply.drafts.step == self._step:
+                break
+            if reply.drafts.step > self._step:
+                raise RemoteError(f"drafts for step {reply.drafts.step} during step {self._step}")
+        self.stats.bytes_received += reply.ByteSize()
+        drafts = [self._decode(d, k) for d, k in zip(reply.drafts.drafts, ks)]
+        if len(drafts) != len(ks):
+            raise RemoteError(f"{len(reply.drafts.drafts)} drafts for {len(ks)} requests")
+        self.stats.steps += 1
+        self.stats.drafted += sum(len(d.tokens) for d in drafts)
+        self.stats.round_trips.append(time.perf_counter() - t0)
+        return drafts
+
+    def _decode(self, d, k) -> Draft:
+        """A Draft from a message, checked: ids in the vocabulary, at most k nodes,
+        parents valid, probabilities of the announced shape."""
+        tokens = list(d.tokens)
+        n = len(tokens)
+        if n > k or any(t < 0 or t >= self.vocab_size for t in tokens):
+            raise RemoteError("a draft with token ids outside the vocabulary or more than k")
+        parents = list(d.parents) or None
+        if parents is not None and (len(parents) != n or
+                                    any(not -1 <= p < i for i, p in enumerate(parents))):
+            raise RemoteError("a draft tree with invalid parents")
+        probs = None
+        if n and self.payload == "topk" and d.ids:
+            ids = np.frombuffer(d.ids, "<i4")
+            vals = np.frombuffer(d.probs, "<f4")
+            if ids.size != n * self.top_k or vals.size != ids.size:
+                raise RemoteError("a top-k draft of the wrong size")
+            probs = _api.SparseProbs(ids.reshape(n, self.top_k).copy(),
+                                     vals.reshape(n, self.top_k).copy())
+        elif n and self.payload == "dense" and d.probs:
+            vals = np.frombuffer(d.probs, "<f4")
+            if vals.size != n * self.vocab_size:
+                raise RemoteError("a dense draft of the wrong size")
+            probs = vals.reshape(n, self.vocab_size).copy()
+        return Draft(tokens, probs, int(d.match), parents)

@@ -1,0 +1,74 @@
+"""``specfast serve-drafter``: serve a drafter to remote targets.
+
+    specfast serve-drafter --drafter ngram --port 50061
+    specfast serve-drafter --drafter ./small.gguf --host 0.0.0.0 --token-file secret.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", default="ngram",
+                        help="'ngram', 'ngram:N' or a draft model folder/.gguf")
+    parser.add_argument("--tree", type=int, default=1, metavar="N",
+                        help="draft token trees of N branches per node (1: chains)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default loopback only; 0.0.0.0 for the LAN)")
+    parser.add_argument("--port", type=int, default=50061)
+    parser.add_argument("--token-file", default=None,
+                        help="file holding a shared token every client must send")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+
+
+def run(args) -> int:
+    from ..drafters import make
+    from .server import serve
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    token = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    tls = None
+    if args.tls_cert:
+        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+            tls = (c.read(), k.read())
+    model = None
+    if not args.drafter.startswith("ngram"):
+        from ..adapters import load
+
+        model = load(args.drafter)  # loaded once, a fresh drafter state per session
+
+    def make_drafter():
+        if model is None:
+            return make(args.drafter, branches=args.tree)
+        from ..drafters import ModelDrafter
+
+        return ModelDrafter(model, branches=args.tree)
+
+    server, port = serve(make_drafter, args.host, args.port, auth_token=token, tls=tls)
+    print(f"specfast drafter ({make_drafter().name}) on {args.host}:{port}"
+          f"{' with TLS' if tls else ''}{', token required' if token else ''} (pid {os.getpid()})",
+          flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(1))
+    try:
+        server.wait_for_termination()
+    except KeyboardInterrupt:
+        server.stop(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(argparse.Namespace()))

@@ -1,0 +1,202 @@
+"""The drafter side: serves any :class:`specfast.drafters.Drafter` over gRPC.
+
+    specfast serve-drafter --drafter ngram --port 50061
+    specfast serve-drafter --drafter ./small-model --host 0.0.0.0 --token SECRET
+
+Each stream is one generation with a drafter of its own (made by the factory),
+so concurrent targets do not share state. The server keeps the verified
+contexts; the target sends only what changed. Every message is checked before
+it touches the drafter: a malformed, out-of-order or oversized message ends
+the session with an Error that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from concurrent import futures
+
+import numpy as np
+
+from ..drafters import Sampling
+from . import drafter_pb2 as pb
+from . import drafter_pb2_grpc as pb_grpc
+
+VERSION = 1
+MAX_MESSAGE = 64 << 20  # bytes; a dense payload of 16 x 262144 float32 rows fits
+MAX_DRAFT = 1024  # the verifier's limit per request
+MAX_BATCH = 1 << 16
+log = logging.getLogger("specfast.remote")
+
+
+class ProtocolError(ValueError):
+    """A message the protocol does not allow."""
+
+
+def _sampling(s) -> Sampling:
+    return Sampling(float(s.temperature), int(s.top_k), float(s.top_p), float(s.min_p),
+                    int(s.seed), "coupled" if s.coupled else "rejection")
+
+
+def encode_draft(d, payload: int, top_k: int, vocab: int):
+    """A Draft message for one :class:`specfast.drafters.Draft`."""
+    from .. import _api
+
+    msg = pb.Draft(tokens=d.tokens, match=max(0, int(d.match or 0)))
+    if d.parents is not None:
+        msg.parents.extend(d.parents)
+    if payload == pb.TOKENS or not d.tokens or d.probs is None:
+        return msg
+    if payload == pb.DENSE:
+        if isinstance(d.probs, _api.SparseProbs):
+            q = np.zeros((len(d.tokens), vocab), np.float32)
+            for r, (ix, vx) in enumerate(zip(d.probs.indices, d.probs.values)):
+                q[r, ix[ix >= 0]] = vx[ix >= 0]
+        else:
+            q = np.asarray(d.probs, np.float32)
+        msg.probs = np.ascontiguousarray(q, "<f4").tobytes()
+        return msg
+    if isinstance(d.probs, _api.SparseProbs):
+        ids, vals = np.asarray(d.probs.indices, np.int32), np.asarray(d.probs.values, np.float32)
+    else:  # keep the K largest; the drafter sampled from them only (see serve)
+        q = np.asarray(d.probs, np.float32)
+        ids = np.argsort(-q, axis=1, kind="stable")[:, :top_k].astype(np.int32)
+        vals = np.take_along_axis(q, ids, axis=1)
+        if np.any(vals.sum(axis=1) < 1.0 - 1e-5):  # K ids would misstate q: refuse
+            raise ProtocolError(f"this drafter's distributions are not confined to "
+                                f"{top_k} tokens: use the DENSE payload")
+    if ids.shape[1] < top_k:
+        pad = top_k - ids.shape[1]
+        ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+        vals = np.pad(vals, ((0, 0), (0, pad)))
+    msg.ids = np.ascontiguousarray(ids[:, :top_k], "<i4").tobytes()
+    msg.probs = np.ascontiguousarray(vals[:, :top_k], "<f4").tobytes()
+    return msg
+
+
+class _Session:
+    """One generation: the verified contexts, the sampling and a drafter."""
+
+    def __init__(self, hello, drafter):
+        if hello.version != VERSION:
+            raise ProtocolError(f"protocol version {hello.version} is not supported "
+                                f"(this drafter speaks version {VERSION})")
+        if hello.payload not in (pb.TOKENS, pb.TOP_K, pb.DENSE):
+            raise ProtocolError("hello: payload must be TOKENS, TOP_K or DENSE")
+        if hello.payload == pb.TOP_K and not 1 <= hello.top_k <= 1024:
+            raise ProtocolError("hello: TOP_K payload needs 1 <= top_k <= 1024")
+        if not 1 <= len(hello.requests) <= MAX_BATCH:
+            raise ProtocolError(f"hello: 1 to {MAX_BATCH} requests, got {len(hello.requests)}")
+        if not 0 < hello.vocab_size <= 1 << 24:
+            raise ProtocolError("hello: vocab_size must be in (0, 2**24]")
+        self.vocab = hello.vocab_size
+        self.payload, self.top_k = hello.payload, hello.top_k
+        self.contexts = [self._tokens(r.tokens, "prompt") for r in hello.requests]
+        if any(not c for c in self.contexts):
+            raise ProtocolError("hello: empty prompt")
+        self.sampling = [_sampling(r.sampling) for r in hello.requests]
+        needs_q = any(s.method == "rejection" and s.temperature > 0 for s in self.sampling)
+        if needs_q and not drafter.deterministic and self.payload == pb.TOKENS:
+            raise ProtocolError(
+                "a TOKENS payload carries no draft distribution: rejection sampling with "
+                "this drafter needs TOP_K or DENSE (or use coupled mode)")
+        if needs_q and self.payload == pb.TOP_K and hasattr(drafter, "sparse_top"):
+            drafter.sparse_top = self.top_k  # draw from the K tokens that travel
+        self.drafter = drafter
+        self.step = 0
+        drafter.start([list(c) for c in self.contexts], self.sampling)
+
+    def _tokens(self, tokens, what):
+        t = list(tokens)
+        if t and (min(t) < 0 or max(t) >= self.vocab):
+            raise ProtocolError(f"{what}: token ids must be in [0, {self.vocab})")
+        return t
+
+    def advance(self, st):
+        if st.step != self.step + 1:
+            raise ProtocolError(f"step {st.step} out of order (expected {self.step + 1})")
+        self.step = st.step
+        if st.keep:
+            if len(st.keep) != len(self.contexts):
+                raise ProtocolError(f"keep has {len(st.keep)} entries for "
+                                    f"{len(self.contexts)} requests")
+            self.drafter.rollback([int(n) for n in st.keep])
+        if st.select:
+            rows = list(st.select)
+            if len(set(rows)) != len(rows) or max(rows) >= len(self.contexts):
+                raise ProtocolError("select: indices must be distinct and inside the batch")
+            self.contexts = [self.contexts[r] for r in rows]
+            self.sampling = [self.sampling[r] for r in rows]
+            self.drafter.select(rows)
+        if len(st.updates) != len(self.contexts):
+            raise ProtocolError(f"{len(st.updates)} updates for {len(self.contexts)} requests")
+        ks = []
+        for ctx, u in zip(self.contexts, st.updates):
+            ctx.extend(self._tokens(u.append, "append"))
+            if u.k > MAX_DRAFT:
+                raise ProtocolError(f"k = {u.k} exceeds {MAX_DRAFT}")
+            ks.append(int(u.k))
+        out = pb.Drafts(step=self.step)
+        if any(ks):
+            drafts = self.drafter.propose(self.contexts, ks, self.sampling)
+            out.drafts.extend(encode_draft(d, self.payload, self.top_k, self.vocab)
+                              for d in drafts)
+        else:
+            out.drafts.extend(pb.Draft() for _ in ks)
+        return out
+
+
+class DrafterService(pb_grpc.DrafterServicer):
+    """The gRPC service; ``make_drafter()`` gives a fresh drafter per session."""
+
+    def __init__(self, make_drafter, auth_token: str | None = None):
+        self.make_drafter = make_drafter
+        self.auth_token = auth_token
+        self.name = getattr(make_drafter(), "name", "drafter")
+
+    def Session(self, request_iterator, context):  # noqa: N802 - gRPC's name
+        session = None
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if session is None:
+                    if kind != "hello":
+                        raise ProtocolError("the first message must be hello")
+                    if self.auth_token is not None and not hmac.compare_digest(
+                            msg.hello.auth_token.encode(), self.auth_token.encode()):
+                        raise ProtocolError("authentication failed")
+                    drafter = self.make_drafter()
+                    session = _Session(msg.hello, drafter)
+                    yield pb.FromDrafter(welcome=pb.Welcome(
+                        version=VERSION, drafter=getattr(drafter, "name", "drafter"),
+                        deterministic=bool(drafter.deterministic)))
+                elif kind != "step":
+                    raise ProtocolError("after hello only steps may follow")
+                else:
+                    yield pb.FromDrafter(drafts=session.advance(msg.step))
+        except ProtocolError as e:
+            log.warning("session refused: %s", e)
+            yield pb.FromDrafter(error=pb.Error(message=str(e)))
+
+
+def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=None,
+          tls: tuple | None = None, workers: int = 8, max_message: int = MAX_MESSAGE):
+    """Starts a server; returns ``(server, port)``. ``tls`` is ``(cert_pem, key_pem)``
+    bytes. Binds to loopback unless told otherwise; a message over
+    ``max_message`` bytes ends its stream (RESOURCE_EXHAUSTED)."""
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=[
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_send_message_length", max_message)])
+    pb_grpc.add_DrafterServicer_to_server(DrafterService(make_drafter, auth_token), server)
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls is not None:
+        creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
+        port = server.add_secure_port(where, creds)
+    else:
+        port = server.add_insecure_port(where)
+    if port == 0:
+        raise OSError(f"cannot bind {where}")
+    server.start()
+    return server, port

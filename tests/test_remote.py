@@ -1,0 +1,271 @@
+"""Drafting over the network on loopback: exactness through RemoteDrafter,
+bytes on the wire, faults (drafter down, killed, restarted) and refusals."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+grpc = pytest.importorskip("grpc")
+
+from specfast.decoder import SpeculativeDecoder  # noqa: E402
+from specfast.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from specfast.remote import RemoteDrafter, RemoteError, serve  # noqa: E402
+from specfast.remote import drafter_pb2 as pb  # noqa: E402
+from specfast.remote import drafter_pb2_grpc as pb_grpc  # noqa: E402
+
+from stats import assert_outcomes, scaled  # noqa: E402
+from test_decoder import PROMPTS, full_logits, one_thread, reference, tiny_model  # noqa: E402,F401
+
+import specfast  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return tiny_model(seed=1, layers=1)
+
+
+@pytest.fixture
+def ngram_server():
+    server, port = serve(lambda: NgramDrafter())
+    yield port
+    server.stop(0)
+
+
+def remote(port, target, **kw):
+    kw.setdefault("timeout", 5.0)
+    return RemoteDrafter(f"127.0.0.1:{port}", vocab_size=target.vocab_size, **kw)
+
+
+def test_greedy_through_the_network_equals_plain(target, ngram_server):
+    d = remote(ngram_server, target)
+    dec = SpeculativeDecoder(target, d, k=4)
+    out = dec.generate(PROMPTS, 30)
+    for prompt, g in zip(PROMPTS, out):
+        assert g.tokens == reference(target, prompt, 30, temperature=0.0)
+    local = SpeculativeDecoder(target, NgramDrafter(), k=4).generate(PROMPTS, 30)
+    assert [g.metrics.draft_n for g in out] == [g.metrics.draft_n for g in local]
+    st = d.stats
+    assert st.sessions == 1 and st.steps > 0 and st.local_steps == 0 and not st.failures
+    assert st.drafted == dec.last_metrics.draft_n
+    # tokens only: ids and framing, far below 16 bytes per drafted token
+    assert 0 < st.bytes_per_drafted_token <= 16, st.as_dict()
+
+
+def test_trees_travel(target, ngram_server):
+    server, port = serve(lambda: NgramDrafter(branches=3))
+    try:
+        dec = SpeculativeDecoder(target, remote(port, target), k=6)
+        out = dec.generate(PROMPTS, 24, temperature=0.9, seed=[1, 2, 3, 4], method="coupled")
+        for prompt, s, g in zip(PROMPTS, [1, 2, 3, 4], out):
+            assert g.tokens == reference(target, prompt, 24, seed=s, method="coupled",
+                                         temperature=0.9)
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.parametrize("payload", ["tokens", "topk"])
+def test_coupled_draft_model_equals_local(target, draft_model, payload):
+    server, port = serve(lambda: ModelDrafter(draft_model))
+    try:
+        kw = dict(temperature=1.0, top_k=8, seed=[5, 6, 7, 8], method="coupled")
+        d = remote(port, target, payload=payload)
+        got = SpeculativeDecoder(target, d, k=3).generate(PROMPTS, 24, **kw)
+        want = SpeculativeDecoder(target, ModelDrafter(draft_model), k=3).generate(
+            PROMPTS, 24, **kw)
+        assert [g.tokens for g in got] == [g.tokens for g in want]
+        # the same drafts were proposed, so the same ones were accepted
+        assert [g.metrics.draft_n_accepted for g in got] == \
+            [g.metrics.draft_n_accepted for g in want]
+    finally:
+        server.stop(0)
+
+
+def test_topk_rejection_sampling_is_exact():
+    """K ids and probabilities are all the verifier gets; the drafter drew from
+    exactly those K tokens, so the output is the target's distribution."""
+    target, draft = tiny_model(vocab=6, seed=3, scale=0.4), tiny_model(vocab=6, seed=4, scale=0.4)
+    server, port = serve(lambda: ModelDrafter(draft))
+    try:
+        prompt = [1, 2, 1, 2, 1]
+        n = scaled(6000)
+        d = remote(port, target, payload="topk", top_k=3, timeout=60.0)
+        out = SpeculativeDecoder(target, d, k=2).generate(
+            [prompt] * n, 2, temperature=1.0, seed=list(range(n)), method="rejection")
+        assert d.stats.local_steps == 0 and d.stats.drafted > 0
+    finally:
+        server.stop(0)
+    p1 = specfast.probs(full_logits(target, prompt))[0]
+    expected = {}
+    for a in range(6):
+        p2 = specfast.probs(full_logits(target, prompt + [a]))[0]
+        for b in range(6):
+            expected[(a, b)] = float(p1[a] * p2[b])
+    assert_outcomes([tuple(g.tokens) for g in out], expected, "rejection/remote-topk")
+
+
+def test_tokens_payload_refuses_rejection_with_a_sampling_drafter(target, draft_model):
+    server, port = serve(lambda: ModelDrafter(draft_model))
+    try:
+        dec = SpeculativeDecoder(target, remote(port, target, payload="tokens"), k=2)
+        with pytest.raises(RemoteError, match="TOP_K or DENSE"):
+            dec.generate(PROMPTS[0], 4, temperature=1.0, method="rejection")
+    finally:
+        server.stop(0)
+
+
+def test_drafter_unreachable_decodes_locally(target):
+    server, port = serve(lambda: NgramDrafter())
+    server.stop(0)  # nothing listens there now
+    d = remote(port, target, timeout=0.5)
+    out = SpeculativeDecoder(target, d, k=4).generate(PROMPTS[0], 30)
+    assert out.tokens == reference(target, PROMPTS[0], 30, temperature=0.0)
+    assert d.stats.steps == 0 and d.stats.local_steps > 0 and d.stats.failures
+
+
+class Counting(NgramDrafter):
+    """An n-gram drafter that calls ``hook`` after each proposal."""
+
+    hook = None
+
+    def propose(self, contexts, ks, sampling):
+        out = super().propose(contexts, ks, sampling)
+        if Counting.hook is not None:
+            Counting.hook()
+        return out
+
+
+def test_drafter_killed_and_restarted_mid_generation(target):
+    """The generation completes with the output of an uninterrupted run; the
+    drafter coming back is used again."""
+    server, port = serve(lambda: Counting())
+    calls = []
+
+    def kill_after_3():
+        calls.append(1)
+        if len(calls) == 3:
+            threading.Thread(target=server.stop, args=(0,)).start()
+
+    Counting.hook = kill_after_3
+    try:
+        d = remote(port, target, timeout=1.0, retry=0.0)
+        dec = SpeculativeDecoder(target, d, k=4)
+        first = dec.generate(PROMPTS, 40)
+        assert d.stats.failures and d.stats.local_steps > 0
+        for prompt, g in zip(PROMPTS, first):
+            assert g.tokens == reference(target, prompt, 40, temperature=0.0)
+        Counting.hook = None
+        again, _ = serve(lambda: Counting(), port=port)  # restarted on the same port
+        try:
+            for _ in range(50):  # until the client's reconnection finds it
+                second = dec.generate(PROMPTS, 40)
+                assert [g.tokens for g in second] == [g.tokens for g in first]
+                if d.stats.sessions >= 2:
+                    break
+                time.sleep(0.1)
+            assert d.stats.sessions >= 2 and d.stats.steps > 3
+        finally:
+            again.stop(0)
+    finally:
+        Counting.hook = None
+
+
+def test_slow_drafter_times_out_into_local_drafting(target):
+    slow = threading.Event()
+
+    class Slow(NgramDrafter):
+        def propose(self, contexts, ks, sampling):
+            if slow.is_set():
+                time.sleep(1.0)
+            return super().propose(contexts, ks, sampling)
+
+    server, port = serve(lambda: Slow())
+    try:
+        d = remote(port, target, timeout=0.2, retry=60.0)
+        slow.set()
+        t0 = time.perf_counter()
+        out = SpeculativeDecoder(target, d, k=4).generate(PROMPTS[0], 30)
+        assert time.perf_counter() - t0 < 10  # one timeout, then local drafting
+        assert out.tokens == reference(target, PROMPTS[0], 30, temperature=0.0)
+        assert any("TimeoutError" in f for f in d.stats.failures)
+    finally:
+        server.stop(0)
+
+
+def test_auth_token(target):
+    server, port = serve(lambda: NgramDrafter(), auth_token="s3cret")
+    try:
+        with pytest.raises(RemoteError, match="authentication"):
+            SpeculativeDecoder(target, remote(port, target), k=2).generate(PROMPTS[0], 4)
+        ok = remote(port, target, auth_token="s3cret")
+        SpeculativeDecoder(target, ok, k=2).generate(PROMPTS[0], 8)
+        assert ok.stats.steps > 0
+    finally:
+        server.stop(0)
+
+
+def raw_session(port, messages, timeout=5.0):
+    """Sends messages on one stream; returns the replies."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.DrafterStub(ch)
+        return list(stub.Session(iter(messages), timeout=timeout))
+
+
+def hello(version=1, **kw):
+    h = pb.Hello(version=version, payload=pb.TOKENS, vocab_size=48, **kw)
+    h.requests.add(tokens=[1, 2, 3, 1, 2], sampling=pb.Sampling(coupled=True))
+    return pb.ToDrafter(hello=h)
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([hello(version=2)], "protocol version 2 is not supported"),
+    ([pb.ToDrafter(step=pb.Step(step=1))], "first message must be hello"),
+    ([hello(), pb.ToDrafter(step=pb.Step(step=2))], "out of order"),
+    ([hello(), pb.ToDrafter(step=pb.Step(step=1, updates=[pb.Update(append=[99], k=2)]))],
+     "token ids must be in"),
+    ([hello(), pb.ToDrafter(step=pb.Step(step=1, updates=[]))], "0 updates for 1 requests"),
+    ([hello(), pb.ToDrafter(step=pb.Step(step=1, updates=[pb.Update(k=5000)]))], "exceeds"),
+    ([hello(), pb.ToDrafter(step=pb.Step(step=1, select=[3], updates=[pb.Update()]))],
+     "select"),
+    ([hello(), hello()], "only steps"),
+], ids=["version", "no-hello", "order", "token-id", "updates", "k", "select", "hello-twice"])
+def test_malformed_messages_are_refused(ngram_server, messages, error):
+    replies = raw_session(ngram_server, messages)
+    assert replies[-1].WhichOneof("msg") == "error"
+    assert error in replies[-1].error.message
+
+
+def test_a_valid_raw_session(ngram_server):
+    step = pb.ToDrafter(step=pb.Step(step=1, updates=[pb.Update(k=3)]))
+    replies = raw_session(ngram_server, [hello(), step])
+    assert replies[0].welcome.version == 1
+    assert list(replies[1].drafts.drafts[0].tokens) == [3, 1, 2]
+
+
+def test_oversized_messages_are_refused():
+    server, port = serve(lambda: NgramDrafter(), max_message=1 << 20)
+    big = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=48)
+    big.requests.add(tokens=np.ones(2 << 20, np.int32).tolist())
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            raw_session(port, [pb.ToDrafter(hello=big)], timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop(0)
+
+
+def test_client_checks_its_arguments(target):
+    with pytest.raises(ValueError, match="payload"):
+        RemoteDrafter("127.0.0.1:1", payload="bytes", vocab_size=10)
+    with pytest.raises(ValueError, match="top_k"):
+        RemoteDrafter("127.0.0.1:1", payload="topk", top_k=0, vocab_size=10)
