@@ -1,0 +1,106 @@
+"""A delaying TCP proxy: emulates a network link between a target and its drafter.
+
+Where ``tc netem`` is missing (these kernels have none), tests and benchmarks
+put this between the two: every chunk read on one side is written to the other
+``delay`` seconds later (one way; the round trip is twice that), in order, and
+no faster than ``rate`` bytes per second (a token bucket). Each connection gets
+two pump threads per direction.
+
+    with DelayProxy(("10.0.0.2", 50061), delay=0.0025, rate=12.5e6) as proxy:
+        RemoteDrafter(f"127.0.0.1:{proxy.port}", ...)
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+
+
+class DelayProxy:
+    """Listens on ``listen`` (host, port; port 0 picks one) and forwards to ``upstream``."""
+
+    def __init__(self, upstream, *, delay: float = 0.0, rate: float | None = None,
+                 listen=("127.0.0.1", 0), burst: int = 16384):
+        self.upstream, self.delay, self.rate, self.burst = upstream, delay, rate, burst
+        self._sock = socket.create_server(listen)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._conns: list = []
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self._closed.set()
+        self._sock.close()
+        for s in self._conns:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _accept(self):
+        while not self._closed.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._conns.append(s)
+            self._pipe(client, server)
+            self._pipe(server, client)
+
+    def _pipe(self, src, dst):
+        chunks: queue.Queue = queue.Queue()
+
+        def read():
+            while True:
+                try:
+                    data = src.recv(65536)
+                except OSError:
+                    data = b""
+                chunks.put((time.monotonic() + self.delay, data))
+                if not data:
+                    return
+
+        def write():
+            tokens, last = float(self.burst), time.monotonic()
+            while True:
+                due, data = chunks.get()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                if not data:
+                    try:
+                        dst.shutdown(socket.SHUT_WR)
+                    except OSError:
+                        pass
+                    return
+                if self.rate:
+                    now = time.monotonic()
+                    tokens = min(self.burst, tokens + (now - last) * self.rate)
+                    last = now
+                    tokens -= len(data)
+                    if tokens < 0:  # wait until the bucket has paid for this chunk
+                        time.sleep(-tokens / self.rate)
+                        tokens, last = 0.0, time.monotonic()
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    return
+
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=write, daemon=True).start()
