@@ -233,3 +233,24 @@ def test_prompts_forms(target):
         dec.generate([1, 2], 2, method="nope")
     with pytest.raises(ValueError):
         SpeculativeDecoder(target, NgramDrafter(), k=-1)
+
+
+def test_draft_length_counts_a_round_trip_once_per_step():
+    """Drafting costs a fixed round trip plus a time per token, each fitted from
+    measurements: a round trip is paid once per step (so it never favours
+    shorter drafts), and one that eats the gain turns drafting off."""
+    def controller(rtt):
+        c = DraftLength(max_k=10, probe_every=1000)
+        c.start(1)
+        for k in (1, 2, 4, 8, 11):
+            c.observe_target(k, 0.05 + 0.005 * (k - 1))
+        for k in (1, 3, 6):
+            c.observe_draft(k, rtt + 0.004 * k)
+        for _ in range(30):
+            c.observe(0, 4, 2)  # p0 high, the chain breaks often
+        return c
+
+    near, far = controller(0.0), controller(0.02)
+    assert far.choose(0, 100) >= near.choose(0, 100) > 0
+    assert abs(far._drafting(5) - (0.02 + 5 * 0.004)) < 1e-9
+    assert controller(1.0).choose(0, 100) == 0  # a 1 s round trip never pays

@@ -147,8 +147,10 @@ class DraftLength:
     Costs are measured, and robustly: the target forward of width w (the
     minimum over a window of recent steps per width, then a line fitted over
     widths, weighted by samples, so a lucky or unlucky step cannot pin k), the
-    drafter's time per drafted token (not counted for ``cheap`` drafters,
-    whose draft is proposed whatever k is) and the per-step verify and
+    drafter's time fitted the same way against the draft length (a fixed part,
+    such as a remote drafter's round trip, and a part per token; not counted
+    for ``cheap`` drafters, whose draft is proposed whatever k is) and the
+    per-step verify and
     bookkeeping time. k maximises expected tokens per second; when that is
     k = 0 the request decodes plainly and probes with ``probe_k`` tokens after
     ``probe_every`` skipped drafts, the interval doubling (up to ``probe_max``)
@@ -175,7 +177,8 @@ class DraftLength:
         self.prior_slope = prior_slope
         self.cheap_draft = False
         self._times: dict = {}  # width -> recent forward seconds
-        self._draft: deque = deque(maxlen=window)  # seconds per drafted token
+        self._draft: dict = {}  # draft length -> recent seconds of proposing
+        self._draft_line = None
         self._fixed: deque = deque(maxlen=window)  # verify + other, per step
         self._line = None
         self._req: list = []
@@ -209,22 +212,28 @@ class DraftLength:
         return s0 / (s0 + f0), s1 / (s1 + f1)
 
     # -- costs ---------------------------------------------------------------
+    @staticmethod
+    def _fit_line(times, one_point):
+        """(intercept, slope) through the fastest time seen at each x (a line
+        weighted by samples); ``one_point(x, t)`` when one x is measured."""
+        pts = [(w, min(t), len(t)) for w, t in times.items() if t]
+        if len({w for w, _, _ in pts}) == 1:
+            return one_point(pts[0][0], pts[0][1])
+        xs = np.array([p[0] for p in pts], float)
+        ys = np.array([p[1] for p in pts], float)
+        ws = np.sqrt(np.array([p[2] for p in pts], float))
+        slope, icpt = np.polyfit(xs, ys, 1, w=ws)
+        slope = max(float(slope), 0.0)
+        return max(float(np.average(ys - slope * xs, weights=ws)), 0.0), slope
+
     def _fit(self):
         if self._line is None:
-            pts = [(w, min(t), len(t)) for w, t in self._times.items() if t]
-            if not pts:
+            if not any(self._times.values()):
                 self._line = (1.0, self.prior_slope)  # relative units until measured
-            elif len({w for w, _, _ in pts}) == 1:
-                w, t, _ = pts[0]
-                slope = self.prior_slope * t
-                self._line = (max(t - slope * w, 1e-9), slope)
             else:
-                xs = np.array([p[0] for p in pts], float)
-                ys = np.array([p[1] for p in pts], float)
-                ws = np.sqrt(np.array([p[2] for p in pts], float))
-                slope, icpt = np.polyfit(xs, ys, 1, w=ws)
-                slope = max(float(slope), 0.0)
-                icpt = float(np.average(ys - slope * xs, weights=ws))
+                icpt, slope = self._fit_line(
+                    self._times, lambda w, t: (t - self.prior_slope * t * w,
+                                               self.prior_slope * t))
                 self._line = (max(icpt, 1e-9), slope)
         return self._line
 
@@ -232,15 +241,25 @@ class DraftLength:
         icpt, slope = self._fit()
         return max(icpt + slope * width, 1e-9)
 
+    def _drafting(self, k: int) -> float:
+        """Seconds to draft k tokens: a fixed part (a remote drafter's round trip,
+        a draft model's catch-up forward) plus a part per token, both measured;
+        nothing when not drafting or when the drafter is cheap."""
+        if k == 0 or self.cheap_draft or not any(self._draft.values()):
+            return 0.0
+        if self._draft_line is None:  # one length measured: all of it per token
+            self._draft_line = self._fit_line(self._draft, lambda w, t: (0.0, t / w))
+        icpt, slope = self._draft_line
+        return icpt + slope * k
+
     def expected_tokens(self, p0: float, q: float, k: int) -> float:
         q = min(q, 0.995)
         return 1.0 + p0 * (1 - q ** k) / (1 - q)
 
     def expected_rate(self, p0: float, q: float, k: int) -> float:
         """Tokens per second when drafting k with acceptance (p0, q)."""
-        draft = 0.0 if self.cheap_draft or not self._draft else min(self._draft)
         fixed = min(self._fixed) if self._fixed else 0.0
-        return self.expected_tokens(p0, q, k) / (self._target(k + 1) + k * draft + fixed)
+        return self.expected_tokens(p0, q, k) / (self._target(k + 1) + self._drafting(k) + fixed)
 
     def choose(self, i: int, limit: int, match=None, available: int | None = None) -> int:
         """Draft length for request i: at most ``limit`` (tokens left) and
@@ -290,8 +309,13 @@ class DraftLength:
         self._line = None
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
+        """Proposing drafts of (at most) ``tokens`` took ``seconds``."""
         if tokens:
-            self._draft.append(seconds / tokens)
+            t = self._draft.get(tokens)
+            if t is None:
+                t = self._draft[tokens] = deque(maxlen=self.window)
+            t.append(seconds)
+            self._draft_line = None
 
     def observe_fixed(self, seconds: float) -> None:
         self._fixed.append(seconds)
@@ -449,9 +473,8 @@ class SpeculativeDecoder:
                                              [sampling[i] for i in live])
             drafts = [_clip(d, k) for d, k in zip(drafts, ks)]
             t_draft = time.perf_counter() - t0
-            n_drafted = sum(len(d.tokens) for d in drafts)
             if not cheap:
-                ctl.observe_draft(n_drafted, t_draft)
+                ctl.observe_draft(max(ks), t_draft)
 
             t0 = time.perf_counter()
             parents = _parents(drafts)
