@@ -90,3 +90,21 @@ def test_model_drafter_reports_the_distribution_it_sampled():
     again = d.propose([ctx + [first.tokens[0]]], [2], [c])[0]
     assert len(again.tokens) == 2
     assert d.memory()["params"] > 0
+
+
+def test_ngram_rollback_forgets_rejected_tokens():
+    """After drafting over unverified tokens and rolling back, the index is the
+    one built from the verified context alone."""
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        ctx = rng.integers(0, 5, size=int(rng.integers(3, 40))).tolist()
+        extra = rng.integers(0, 5, size=int(rng.integers(1, 10))).tolist()
+        d = NgramDrafter(max_ngram=3)
+        d.start([ctx], [Sampling()])
+        d.propose([ctx + extra], [4], [Sampling()])  # indexes the unverified tokens
+        d.rollback([len(ctx)])
+        fresh = NgramDrafter(max_ngram=3)
+        fresh.start([ctx], [Sampling()])
+        nxt = ctx + rng.integers(0, 5, size=3).tolist()
+        assert d.propose([nxt], [5], [Sampling()]) == fresh.propose([nxt], [5], [Sampling()])
+        assert d._index[0] == fresh._index[0]

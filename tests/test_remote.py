@@ -269,3 +269,26 @@ def test_client_checks_its_arguments(target):
         RemoteDrafter("127.0.0.1:1", payload="bytes", vocab_size=10)
     with pytest.raises(ValueError, match="top_k"):
         RemoteDrafter("127.0.0.1:1", payload="topk", top_k=0, vocab_size=10)
+
+
+@pytest.mark.parametrize("payload, sampling", [
+    ("tokens", dict()),
+    ("tokens", dict(temperature=0.9, seed=[1, 2], method="coupled")),
+    ("topk", dict(temperature=0.9, seed=[1, 2], method="rejection")),
+], ids=["greedy", "coupled", "topk-rejection"])
+def test_lookahead_serves_steps_without_a_round_trip(target, draft_model, payload, sampling):
+    """The drafter drafts ahead while the target verifies; when the target
+    accepted everything and the drafter's next token, that draft is used as it
+    is. Output unchanged and the look-ahead really served (the target drafting
+    for itself: its drafts are accepted, its next token guessed)."""
+    server, port = serve(lambda: ModelDrafter(target))
+    try:
+        d = remote(port, target, payload=payload, lookahead=4)
+        got = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[:2], 30, **sampling)
+        if sampling.get("method") != "rejection":
+            for prompt, s, g in zip(PROMPTS, sampling.get("seed", [0, 0]), got):
+                assert g.tokens == reference(target, prompt, 30, seed=s, method="coupled",
+                                             temperature=sampling.get("temperature", 0.0))
+        assert d.stats.ahead_hits > 0 and d.stats.local_steps == 0, d.stats.as_dict()
+    finally:
+        server.stop(0)

@@ -48,6 +48,8 @@ class Metrics:
     t_target: float = 0.0
     t_verify: float = 0.0
     t_total: float = 0.0
+    predicted_tokens: float = 0.0  # the cost model's expectation, summed over steps
+    predicted_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,6 +68,12 @@ class Metrics:
     @property
     def t_other(self) -> float:
         return max(0.0, self.t_total - self.t_prefill - self.t_draft - self.t_target - self.t_verify)
+
+    @property
+    def predicted_tokens_per_s(self) -> float:
+        """Decode tokens/s the draft-length cost model expected of the steps it
+        chose (batch totals only): compare with :attr:`decode_tokens_per_s`."""
+        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -97,6 +105,7 @@ class Metrics:
                  mean_accepted_length=self.mean_accepted_length,
                  per_position_acceptance=self.per_position_acceptance,
                  t_other=self.t_other, tokens_per_s=self.tokens_per_s,
+                 predicted_tokens_per_s=self.predicted_tokens_per_s,
                  decode_tokens_per_s=self.decode_tokens_per_s)
         return d
 
@@ -256,10 +265,14 @@ class DraftLength:
         q = min(q, 0.995)
         return 1.0 + p0 * (1 - q ** k) / (1 - q)
 
+    def step_seconds(self, k: int) -> float:
+        """The modelled time of a step drafting k: draft, verify k + 1, the rest."""
+        fixed = min(self._fixed) if self._fixed else 0.0
+        return self._target(k + 1) + self._drafting(k) + fixed
+
     def expected_rate(self, p0: float, q: float, k: int) -> float:
         """Tokens per second when drafting k with acceptance (p0, q)."""
-        fixed = min(self._fixed) if self._fixed else 0.0
-        return self.expected_tokens(p0, q, k) / (self._target(k + 1) + self._drafting(k) + fixed)
+        return self.expected_tokens(p0, q, k) / self.step_seconds(k)
 
     def choose(self, i: int, limit: int, match=None, available: int | None = None) -> int:
         """Draft length for request i: at most ``limit`` (tokens left) and
@@ -471,7 +484,11 @@ class SpeculativeDecoder:
                 if drafter is not None and any(ks):
                     drafts = drafter.propose([contexts[i] for i in live], ks,
                                              [sampling[i] for i in live])
-            drafts = [_clip(d, k) for d, k in zip(drafts, ks)]
+            drafts = [d.head(k) for d, k in zip(drafts, ks)]
+            # what the cost model expects of this step, to compare with what it did
+            total.predicted_tokens += sum(ctl.expected_tokens(*ctl.acceptance(j, d.match), k)
+                                          for j, (d, k) in enumerate(zip(drafts, ks)))
+            total.predicted_seconds += ctl.step_seconds(max(ks))
             t_draft = time.perf_counter() - t0
             if not cheap:
                 ctl.observe_draft(max(ks), t_draft)
@@ -597,21 +614,6 @@ class SpeculativeDecoder:
         if stream is not None and (out or delta):
             stream(i, out, delta)
         return done
-
-
-def _clip(d: Draft, k: int) -> Draft:
-    """The first k nodes (a tree's nodes come best first, parents first)."""
-    if len(d.tokens) <= k:
-        return d
-    if k <= 0:
-        return Draft([], None, d.match)
-    probs = d.probs
-    if isinstance(probs, _api.SparseProbs):
-        probs = _api.SparseProbs(probs.indices[:k], probs.values[:k])
-    elif probs is not None:
-        probs = probs[:k]
-    parents = None if d.parents is None else list(d.parents[:k])
-    return Draft(list(d.tokens[:k]), probs, d.match, parents)
 
 
 def _depth(d: Draft) -> int:

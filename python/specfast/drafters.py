@@ -62,6 +62,26 @@ class Draft:
     match: int = 0
     parents: list | None = None
 
+    def head(self, k: int) -> "Draft":
+        """The first k nodes (a tree's nodes come best first, parents first)."""
+        if len(self.tokens) <= k:
+            return self
+        if k <= 0:
+            return Draft([], None, self.match)
+        parents = None if self.parents is None else list(self.parents[:k])
+        return Draft(list(self.tokens[:k]), _rows(self.probs, slice(0, k)), self.match, parents)
+
+    def tail(self) -> "Draft":
+        """A chain without its first token."""
+        return Draft(list(self.tokens[1:]), _rows(self.probs, slice(1, None)), self.match)
+
+
+def _rows(probs, sl):
+    """Rows ``sl`` of a draft's q (None, dense or SparseProbs)."""
+    if isinstance(probs, _api.SparseProbs):
+        return _api.SparseProbs(probs.indices[sl], probs.values[sl])
+    return None if probs is None else probs[sl]
+
 
 class Drafter:
     """The drafter interface.
@@ -140,21 +160,40 @@ class NgramDrafter(Drafter):
         if branches > 1:
             self.name = f"ngram-tree{branches}"
         self._index: list = []
-        self._indexed: list = []
+        self._indexed: list = []  # n-grams ending before this position are indexed
+        self._tokens: list = []  # the tokens they were read from
 
     def start(self, contexts, sampling):
         self._index = [{} for _ in contexts]
         self._indexed = [0 for _ in contexts]
+        self._tokens = [[] for _ in contexts]
 
     def _update(self, i, ctx):
-        # index n-grams ending at positions < len(ctx) - 1 (never the suffix itself);
-        # the context only ever holds verified tokens, so entries never go stale
+        # index n-grams ending at positions < len(ctx) - 1 (never the suffix itself)
         index, end = self._index[i], len(ctx) - 1
         for e in range(max(self._indexed[i], self.min_ngram - 1), end):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if e - n + 1 >= 0:
                     index.setdefault(tuple(ctx[e - n + 1:e + 1]), []).append(e)
-        self._indexed[i] = max(self._indexed[i], end)
+        if end > self._indexed[i]:
+            self._tokens[i].extend(ctx[len(self._tokens[i]):end])
+            self._indexed[i] = end
+
+    def rollback(self, lengths):
+        """Forgets n-grams past the first ``lengths[i]`` tokens (a server drafting
+        ahead indexes tokens that verification may reject)."""
+        for i, n_keep in enumerate(lengths):
+            keep = max(0, min(self._indexed[i], n_keep - 1))
+            toks, index = self._tokens[i], self._index[i]
+            for e in range(self._indexed[i] - 1, keep - 1, -1):  # newest first
+                for n in range(self.min_ngram, self.max_ngram + 1):
+                    if e - n + 1 >= 0:
+                        ends = index[tuple(toks[e - n + 1:e + 1])]
+                        ends.pop()
+                        if not ends:
+                            del index[tuple(toks[e - n + 1:e + 1])]
+            del toks[keep:]
+            self._indexed[i] = keep
 
     def lookup(self, i, ctx):
         """(end position of the chosen match, matched length), or (-1, 0)."""
@@ -251,6 +290,7 @@ class NgramDrafter(Drafter):
     def select(self, rows):
         self._index = [self._index[r] for r in rows]
         self._indexed = [self._indexed[r] for r in rows]
+        self._tokens = [self._tokens[r] for r in rows]
 
 
 class ModelDrafter(Drafter):

@@ -44,6 +44,7 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     steps: int = 0  # steps drafted remotely
+    ahead_hits: int = 0  # of which the look-ahead served, without a round trip
     local_steps: int = 0  # steps drafted by the fallback
     drafted: int = 0  # tokens drafted remotely
     sessions: int = 0
@@ -86,11 +87,23 @@ class _Stream:
     def send(self, msg):
         self._out.put(msg)
 
+    def poll(self):
+        """The next message if one has arrived, else None."""
+        try:
+            msg = self._in.get_nowait()
+        except queue.Empty:
+            return None
+        return self._check(msg)
+
     def receive(self, timeout=None):
         try:
             msg = self._in.get(timeout=self.timeout if timeout is None else timeout)
         except queue.Empty:
             raise TimeoutError(f"no answer from the drafter within {self.timeout} s") from None
+        return self._check(msg)
+
+    @staticmethod
+    def _check(msg):
         if isinstance(msg, Exception):
             raise ConnectionError(str(msg)) from msg
         if msg.WhichOneof("msg") == "error":
@@ -124,6 +137,11 @@ class RemoteDrafter(Drafter):
         Sent at connect; the server refuses a session without the right one.
     tls : bytes or None
         PEM root certificate(s) to connect with TLS; None: plain TCP.
+    lookahead : int
+        Ask the drafter to draft this many tokens ahead while the target
+        verifies, assuming its whole draft and its own next token are accepted;
+        when they are, the next draft is already here and the step pays no
+        round trip (0: off).
 
     Examples
     --------
@@ -135,7 +153,8 @@ class RemoteDrafter(Drafter):
 
     def __init__(self, address: str, *, payload: str = "tokens", top_k: int = 8,
                  vocab_size: int, timeout: float = 2.0, fallback: Drafter | None = None,
-                 retry: float = 1.0, auth_token: str | None = None, tls: bytes | None = None):
+                 retry: float = 1.0, auth_token: str | None = None, tls: bytes | None = None,
+                 lookahead: int = 0):
         import grpc
 
         from . import drafter_pb2_grpc as pb_grpc
@@ -144,7 +163,10 @@ class RemoteDrafter(Drafter):
             raise ValueError(f"payload must be one of {sorted(PAYLOADS)}, got {payload!r}")
         if payload == "topk" and not 1 <= top_k <= 1024:
             raise ValueError("top_k must be in [1, 1024]")
+        if not 0 <= lookahead <= 1024:
+            raise ValueError("lookahead must be in [0, 1024]")
         self.address, self.payload, self.top_k = address, payload, top_k
+        self.lookahead = lookahead
         self.vocab_size, self.timeout, self.retry = int(vocab_size), timeout, retry
         self.auth_token = auth_token
         self.fallback = fallback if fallback is not None else NgramDrafter()
@@ -218,7 +240,7 @@ class RemoteDrafter(Drafter):
             stream = _Stream(self._stub, self.timeout)
             hello = pb.Hello(version=VERSION, auth_token=self.auth_token or "",
                              payload=PAYLOADS[self.payload], top_k=self.top_k,
-                             vocab_size=self.vocab_size)
+                             vocab_size=self.vocab_size, lookahead=self.lookahead)
             for ctx, s in zip(self._contexts, self._sampling):
                 hello.requests.add(tokens=ctx, sampling=pb.Sampling(
                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -246,6 +268,8 @@ class RemoteDrafter(Drafter):
         self._sent = [len(c) for c in self._contexts]
         self._keep = self._select = None
         self._step = 0
+        self._ahead = None
+        self._last = []  # the chains drafted last step, per request
 
     def _lost(self, why):
         self.stats.failures.append(f"{type(why).__name__}: {why}")
@@ -257,8 +281,61 @@ class RemoteDrafter(Drafter):
             self._stream.close()
             self._stream = None
 
+    def _collect(self, step, block, ahead=False):
+        """Reads replies up to this step's drafts (``block``), or its look-ahead
+        (``ahead``), or what has arrived; keeps the latest look-ahead. Returns
+        the step's drafts or None."""
+        while True:
+            if ahead and self._ahead is not None and self._ahead.step == step:
+                return None
+            reply = self._stream.receive() if block or ahead else self._stream.poll()
+            if reply is None:
+                return None
+            if reply.WhichOneof("msg") != "drafts":
+                raise RemoteError("expected drafts")
+            self.stats.bytes_received += reply.ByteSize()
+            got = reply.drafts
+            if got.step > step:
+                raise RemoteError(f"drafts for step {got.step} during step {step}")
+            if got.ahead:
+                self._ahead = got
+            elif got.step == step and block:
+                return got
+
+    def _accepted_all(self, contexts, ks):
+        """Did every drafting request accept its whole last draft (a chain)?"""
+        if len(self._last) != len(contexts):
+            return False
+        for i, (ctx, k, last) in enumerate(zip(contexts, ks, self._last)):
+            new = ctx[self._sent[i]:]
+            if k and (last is None or not last or new[:-1] != last):
+                return False
+        return True
+
+    def _hit(self, contexts, ks):
+        """The look-ahead drafts, when every drafting request got what it assumed."""
+        a = self._ahead
+        if a is None or a.step != self._step or len(a.drafts) != len(contexts):
+            return None
+        out = []
+        for i, (ctx, k, d) in enumerate(zip(contexts, ks, a.drafts)):
+            if k == 0:
+                out.append(Draft([]))
+                continue
+            if not d.tokens or list(d.assumed) != ctx[self._sent[i]:]:
+                return None
+            out.append(self._decode(d, len(d.tokens)).head(k))
+        return out
+
     def _remote(self, contexts, ks):
         t0 = time.perf_counter()
+        self._collect(self._step, block=False)
+        ahead = None
+        if self._select is None and self.lookahead and self._accepted_all(contexts, ks):
+            # the look-ahead may serve: it is on its way (the drafter started it
+            # before this step was sent, so a fresh request would wait for it too)
+            self._collect(self._step, block=False, ahead=True)
+            ahead = self._hit(contexts, ks)
         self._step += 1
         step = pb.Step(step=self._step)
         if self._keep is not None:
@@ -272,18 +349,15 @@ class RemoteDrafter(Drafter):
         self._sent = [len(c) for c in contexts]
         self._keep = self._select = None
         self.stats.bytes_sent += msg.ByteSize()
-        while True:
-            reply = self._stream.receive()
-            if reply.WhichOneof("msg") != "drafts":
-                raise RemoteError("expected drafts")
-            if reply.drafts.step == self._step:
-                break
-            if reply.drafts.step > self._step:
-                raise RemoteError(f"drafts for step {reply.drafts.step} during step {self._step}")
-        self.stats.bytes_received += reply.ByteSize()
-        drafts = [self._decode(d, k) for d, k in zip(reply.drafts.drafts, ks)]
-        if len(drafts) != len(ks):
-            raise RemoteError(f"{len(reply.drafts.drafts)} drafts for {len(ks)} requests")
+        if ahead is not None:  # the step's own drafts are read (and dropped) later
+            drafts = ahead
+            self.stats.ahead_hits += 1
+        else:
+            reply = self._collect(self._step, block=True)
+            if len(reply.drafts) != len(ks):
+                raise RemoteError(f"{len(reply.drafts)} drafts for {len(ks)} requests")
+            drafts = [self._decode(d, k) for d, k in zip(reply.drafts, ks)]
+        self._last = [d.tokens if d.parents is None else None for d in drafts]
         self.stats.steps += 1
         self.stats.drafted += sum(len(d.tokens) for d in drafts)
         self.stats.round_trips.append(time.perf_counter() - t0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecfast/remote/drafter.proto\x12\x12specfast.remote.v1\"k\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0f\n\x07\x63oupled\x18\x06 \x01(\x08\"M\n\x07Request\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.specfast.remote.v1.Sampling\"\xac\x01\n\x05Hello\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12,\n\x07payload\x18\x03 \x01(\x0e\x32\x1b.specfast.remote.v1.Payload\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12-\n\x08requests\x18\x06 \x03(\x0b\x32\x1b.specfast.remote.v1.Request\"\'\n\x06Update\x12\x12\n\x06\x61ppend\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\t\n\x01k\x18\x02 \x01(\r\"g\n\x04Step\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x04keep\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\x06select\x18\x03 \x03(\rB\x02\x10\x01\x12+\n\x07updates\x18\x04 \x03(\x0b\x32\x1a.specfast.remote.v1.Update\"h\n\tToDrafter\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.specfast.remote.v1.HelloH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.specfast.remote.v1.StepH\x00\x42\x05\n\x03msg\"B\n\x07Welcome\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x15\n\rdeterministic\x18\x03 \x01(\x08\"[\n\x05\x44raft\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07parents\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05match\x18\x03 \x01(\r\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\r\n\x05probs\x18\x05 \x01(\x0c\"A\n\x06\x44rafts\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x19.specfast.remote.v1.Draft\"\x18\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x9e\x01\n\x0b\x46romDrafter\x12.\n\x07welcome\x18\x01 \x01(\x0b\x32\x1b.specfast.remote.v1.WelcomeH\x00\x12,\n\x06\x64rafts\x18\x02 \x01(\x0b\x32\x1a.specfast.remote.v1.DraftsH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.specfast.remote.v1.ErrorH\x00\x42\x05\n\x03msg*D\n\x07Payload\x12\x17\n\x13PAYLOAD_UNSPECIFIED\x10\x00\x12\n\n\x06TOKENS\x10\x01\x12\t\n\x05TOP_K\x10\x02\x12\t\n\x05\x44\x45NSE\x10\x03\x32X\n\x07\x44rafter\x12M\n\x07Session\x12\x1d.specfast.remote.v1.ToDrafter\x1a\x1f.specfast.remote.v1.FromDrafter(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecfast/remote/drafter.proto\x12\x12specfast.remote.v1\"k\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x0f\n\x07\x63oupled\x18\x06 \x01(\x08\"M\n\x07Request\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.specfast.remote.v1.Sampling\"\xbf\x01\n\x05Hello\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nauth_token\x18\x02 \x01(\t\x12,\n\x07payload\x18\x03 \x01(\x0e\x32\x1b.specfast.remote.v1.Payload\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12-\n\x08requests\x18\x06 \x03(\x0b\x32\x1b.specfast.remote.v1.Request\x12\x11\n\tlookahead\x18\x07 \x01(\r\"\'\n\x06Update\x12\x12\n\x06\x61ppend\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\t\n\x01k\x18\x02 \x01(\r\"g\n\x04Step\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x04keep\x18\x02 \x03(\rB\x02\x10\x01\x12\x12\n\x06select\x18\x03 \x03(\rB\x02\x10\x01\x12+\n\x07updates\x18\x04 \x03(\x0b\x32\x1a.specfast.remote.v1.Update\"h\n\tToDrafter\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.specfast.remote.v1.HelloH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.specfast.remote.v1.StepH\x00\x42\x05\n\x03msg\"B\n\x07Welcome\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x15\n\rdeterministic\x18\x03 \x01(\x08\"p\n\x05\x44raft\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07parents\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05match\x18\x03 \x01(\r\x12\x0b\n\x03ids\x18\x04 \x01(\x0c\x12\r\n\x05probs\x18\x05 \x01(\x0c\x12\x13\n\x07\x61ssumed\x18\x06 \x03(\x05\x42\x02\x10\x01\"P\n\x06\x44rafts\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x19.specfast.remote.v1.Draft\x12\r\n\x05\x61head\x18\x03 \x01(\x08\"\x18\n\x05\x45rror\x12\x0f\n\x07message\x18\x01 \x01(\t\"\x9e\x01\n\x0b\x46romDrafter\x12.\n\x07welcome\x18\x01 \x01(\x0b\x32\x1b.specfast.remote.v1.WelcomeH\x00\x12,\n\x06\x64rafts\x18\x02 \x01(\x0b\x32\x1a.specfast.remote.v1.DraftsH\x00\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x19.specfast.remote.v1.ErrorH\x00\x42\x05\n\x03msg*D\n\x07Payload\x12\x17\n\x13PAYLOAD_UNSPECIFIED\x10\x00\x12\n\n\x06TOKENS\x10\x01\x12\t\n\x05TOP_K\x10\x02\x12\t\n\x05\x44\x45NSE\x10\x03\x32X\n\x07\x44rafter\x12M\n\x07Session\x12\x1d.specfast.remote.v1.ToDrafter\x1a\x1f.specfast.remote.v1.FromDrafter(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,30 +43,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFT'].fields_by_name['tokens']._serialized_options = b'\020\001'
   _globals['_DRAFT'].fields_by_name['parents']._loaded_options = None
   _globals['_DRAFT'].fields_by_name['parents']._serialized_options = b'\020\001'
-  _globals['_PAYLOAD']._serialized_start=1083
-  _globals['_PAYLOAD']._serialized_end=1151
+  _globals['_DRAFT'].fields_by_name['assumed']._loaded_options = None
+  _globals['_DRAFT'].fields_by_name['assumed']._serialized_options = b'\020\001'
+  _globals['_PAYLOAD']._serialized_start=1138
+  _globals['_PAYLOAD']._serialized_end=1206
   _globals['_SAMPLING']._serialized_start=53
   _globals['_SAMPLING']._serialized_end=160
   _globals['_REQUEST']._serialized_start=162
   _globals['_REQUEST']._serialized_end=239
   _globals['_HELLO']._serialized_start=242
-  _globals['_HELLO']._serialized_end=414
-  _globals['_UPDATE']._serialized_start=416
-  _globals['_UPDATE']._serialized_end=455
-  _globals['_STEP']._serialized_start=457
-  _globals['_STEP']._serialized_end=560
-  _globals['_TODRAFTER']._serialized_start=562
-  _globals['_TODRAFTER']._serialized_end=666
-  _globals['_WELCOME']._serialized_start=668
-  _globals['_WELCOME']._serialized_end=734
-  _globals['_DRAFT']._serialized_start=736
-  _globals['_DRAFT']._serialized_end=827
-  _globals['_DRAFTS']._serialized_start=829
-  _globals['_DRAFTS']._serialized_end=894
-  _globals['_ERROR']._serialized_start=896
-  _globals['_ERROR']._serialized_end=920
-  _globals['_FROMDRAFTER']._serialized_start=923
-  _globals['_FROMDRAFTER']._serialized_end=1081
-  _globals['_DRAFTER']._serialized_start=1153
-  _globals['_DRAFTER']._serialized_end=1241
+  _globals['_HELLO']._serialized_end=433
+  _globals['_UPDATE']._serialized_start=435
+  _globals['_UPDATE']._serialized_end=474
+  _globals['_STEP']._serialized_start=476
+  _globals['_STEP']._serialized_end=579
+  _globals['_TODRAFTER']._serialized_start=581
+  _globals['_TODRAFTER']._serialized_end=685
+  _globals['_WELCOME']._serialized_start=687
+  _globals['_WELCOME']._serialized_end=753
+  _globals['_DRAFT']._serialized_start=755
+  _globals['_DRAFT']._serialized_end=867
+  _globals['_DRAFTS']._serialized_start=869
+  _globals['_DRAFTS']._serialized_end=949
+  _globals['_ERROR']._serialized_start=951
+  _globals['_ERROR']._serialized_end=975
+  _globals['_FROMDRAFTER']._serialized_start=978
+  _globals['_FROMDRAFTER']._serialized_end=1136
+  _globals['_DRAFTER']._serialized_start=1208
+  _globals['_DRAFTER']._serialized_end=1296
 # @@protoc_insertion_point(module_scope)

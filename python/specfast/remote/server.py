@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import queue
+import threading
 from concurrent import futures
 
 import numpy as np
@@ -89,7 +91,11 @@ class _Session:
             raise ProtocolError(f"hello: 1 to {MAX_BATCH} requests, got {len(hello.requests)}")
         if not 0 < hello.vocab_size <= 1 << 24:
             raise ProtocolError("hello: vocab_size must be in (0, 2**24]")
+        if hello.lookahead > MAX_DRAFT:
+            raise ProtocolError(f"hello: lookahead must be at most {MAX_DRAFT}")
         self.vocab = hello.vocab_size
+        self.lookahead = hello.lookahead
+        self.last = []  # the drafts of the last step, for the look-ahead
         self.payload, self.top_k = hello.payload, hello.top_k
         self.contexts = [self._tokens(r.tokens, "prompt") for r in hello.requests]
         if any(not c for c in self.contexts):
@@ -137,12 +143,34 @@ class _Session:
                 raise ProtocolError(f"k = {u.k} exceeds {MAX_DRAFT}")
             ks.append(int(u.k))
         out = pb.Drafts(step=self.step)
+        self.last = []
         if any(ks):
-            drafts = self.drafter.propose(self.contexts, ks, self.sampling)
+            self.last = self.drafter.propose(self.contexts, ks, self.sampling)
             out.drafts.extend(encode_draft(d, self.payload, self.top_k, self.vocab)
-                              for d in drafts)
+                              for d in self.last)
         else:
             out.drafts.extend(pb.Draft() for _ in ks)
+        return out
+
+    def ahead(self):
+        """The look-ahead of the last step, or None: for each request whose draft
+        is a chain, the next draft assuming all of it is accepted followed by the
+        drafter's own next token (drafted here while the target verifies)."""
+        chains = [d.tokens and d.parents is None for d in self.last]
+        if not self.lookahead or not any(chains):
+            return None
+        contexts = [ctx + list(d.tokens) if c else ctx
+                    for ctx, d, c in zip(self.contexts, self.last, chains)]
+        ks = [self.lookahead + 1 if c else 0 for c in chains]
+        drafts = self.drafter.propose(contexts, ks, self.sampling)
+        out = pb.Drafts(step=self.step, ahead=True)
+        for d, last, c in zip(drafts, self.last, chains):
+            if not c or len(d.tokens) < 2:
+                out.drafts.add()
+                continue
+            msg = encode_draft(d.tail(), self.payload, self.top_k, self.vocab)
+            msg.assumed.extend(list(last.tokens) + [d.tokens[0]])
+            out.drafts.append(msg)
         return out
 
 
@@ -155,9 +183,22 @@ class DrafterService(pb_grpc.DrafterServicer):
         self.name = getattr(make_drafter(), "name", "drafter")
 
     def Session(self, request_iterator, context):  # noqa: N802 - gRPC's name
+        # a reader thread, so that a step that has already arrived cancels the
+        # look-ahead it would make stale
+        inbox: queue.Queue = queue.Queue()
+
+        def pump():
+            try:
+                for m in request_iterator:
+                    inbox.put(m)
+            except Exception:  # the client went away
+                pass
+            inbox.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
         session = None
         try:
-            for msg in request_iterator:
+            for msg in iter(inbox.get, None):
                 kind = msg.WhichOneof("msg")
                 if session is None:
                     if kind != "hello":
@@ -174,6 +215,9 @@ class DrafterService(pb_grpc.DrafterServicer):
                     raise ProtocolError("after hello only steps may follow")
                 else:
                     yield pb.FromDrafter(drafts=session.advance(msg.step))
+                    ahead = session.ahead() if inbox.empty() else None  # while the target verifies
+                    if ahead is not None:
+                        yield pb.FromDrafter(drafts=ahead)
         except ProtocolError as e:
             log.warning("session refused: %s", e)
             yield pb.FromDrafter(error=pb.Error(message=str(e)))
