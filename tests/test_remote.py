@@ -18,6 +18,7 @@ from specfast.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from specfast.remote import RemoteDrafter, RemoteError, serve  # noqa: E402
 from specfast.remote import drafter_pb2 as pb  # noqa: E402
 from specfast.remote import drafter_pb2_grpc as pb_grpc  # noqa: E402
+from specfast.remote.proxy import DelayProxy  # noqa: E402
 
 from stats import assert_outcomes, scaled  # noqa: E402
 from test_decoder import PROMPTS, full_logits, one_thread, reference, tiny_model  # noqa: E402,F401
@@ -74,12 +75,28 @@ def test_trees_travel(target, ngram_server):
         server.stop(0)
 
 
+@pytest.fixture(params=[0, 5], ids=["loopback", "rtt-5ms"])
+def link(request):
+    """Wraps a server port into the port of a link with this round trip (ms)."""
+    proxies = []
+
+    def wrap(port):
+        if not request.param:
+            return port
+        proxies.append(DelayProxy(("127.0.0.1", port), delay=request.param / 2000))
+        return proxies[-1].port
+
+    yield wrap
+    for p in proxies:
+        p.close()
+
+
 @pytest.mark.parametrize("payload", ["tokens", "topk"])
-def test_coupled_draft_model_equals_local(target, draft_model, payload):
+def test_coupled_draft_model_equals_local(target, draft_model, payload, link):
     server, port = serve(lambda: ModelDrafter(draft_model))
     try:
         kw = dict(temperature=1.0, top_k=8, seed=[5, 6, 7, 8], method="coupled")
-        d = remote(port, target, payload=payload)
+        d = remote(link(port), target, payload=payload)
         got = SpeculativeDecoder(target, d, k=3).generate(PROMPTS, 24, **kw)
         want = SpeculativeDecoder(target, ModelDrafter(draft_model), k=3).generate(
             PROMPTS, 24, **kw)
@@ -91,7 +108,7 @@ def test_coupled_draft_model_equals_local(target, draft_model, payload):
         server.stop(0)
 
 
-def test_topk_rejection_sampling_is_exact():
+def test_topk_rejection_sampling_is_exact(link):
     """K ids and probabilities are all the verifier gets; the drafter drew from
     exactly those K tokens, so the output is the target's distribution."""
     target, draft = tiny_model(vocab=6, seed=3, scale=0.4), tiny_model(vocab=6, seed=4, scale=0.4)
@@ -99,7 +116,7 @@ def test_topk_rejection_sampling_is_exact():
     try:
         prompt = [1, 2, 1, 2, 1]
         n = scaled(6000)
-        d = remote(port, target, payload="topk", top_k=3, timeout=60.0)
+        d = remote(link(port), target, payload="topk", top_k=3, timeout=60.0)
         out = SpeculativeDecoder(target, d, k=2).generate(
             [prompt] * n, 2, temperature=1.0, seed=list(range(n)), method="rejection")
         assert d.stats.local_steps == 0 and d.stats.drafted > 0
@@ -290,5 +307,24 @@ def test_lookahead_serves_steps_without_a_round_trip(target, draft_model, payloa
                 assert g.tokens == reference(target, prompt, 30, seed=s, method="coupled",
                                              temperature=sampling.get("temperature", 0.0))
         assert d.stats.ahead_hits > 0 and d.stats.local_steps == 0, d.stats.as_dict()
+    finally:
+        server.stop(0)
+
+
+def test_a_silent_session_is_closed():
+    server, port = serve(lambda: NgramDrafter(), idle=0.3)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.DrafterStub(ch)
+            hold = threading.Event()
+
+            def messages():
+                yield hello()
+                hold.wait(5)  # say nothing more
+
+            replies = stub.Session(messages(), timeout=5)
+            assert next(replies).WhichOneof("msg") == "welcome"
+            assert "no message for 0.3 s" in next(replies).error.message
+            hold.set()
     finally:
         server.stop(0)

@@ -6,12 +6,14 @@ loopback, behind :class:`specfast.remote.proxy.DelayProxy` (half the round
 trip each way). Modes:
 
 - ``tokens``: the n-gram drafter, greedy (ids only travel);
+- ``tokens-ahead``: the same, drafting ahead while the target verifies;
 - ``topk``: a draft model sampling from its top K, rejection sampling;
 - ``dense``: the same with full rows (reference).
 
-The draft model defaults to the target itself (the only model shipped here),
-which makes drafting as slow as verifying: its rows measure bytes and the
-protocol, not a realistic speed-up.
+The draft model defaults to the target itself (the only model shipped here):
+as slow as the target, it cannot pay, so its rows measure bytes and the
+protocol, not a speed-up. Each row also shows the decode tokens/s the
+draft-length cost model predicted for the steps it chose.
 
     python bench/e2e/remote.py --threads 2 --rtt 0 1 5 20 --max-new 96
 """
@@ -30,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None, help="model folder or .gguf (default: embedded SmolLM2)")
     ap.add_argument("--draft-model", default=None, help="draft model (default: the target)")
     ap.add_argument("--rtt", type=float, nargs="*", default=[0, 1, 5, 20], help="milliseconds")
-    ap.add_argument("--modes", nargs="*", default=["tokens", "topk", "dense"])
+    ap.add_argument("--modes", nargs="*", default=["tokens", "tokens-ahead", "topk", "dense"])
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--threads", type=int, default=0)
@@ -54,8 +56,8 @@ def main(argv=None) -> int:
     ngram_server, ngram_port = serve(lambda: NgramDrafter())
     model_server, model_port = serve(lambda: ModelDrafter(draft))
     rows = workloads.load(names=args.workloads)
-    sampling = {"tokens": dict(), "topk": dict(temperature=0.7, method="rejection", seed=1),
-                "dense": dict(temperature=0.7, method="rejection", seed=1)}
+    rejection = dict(temperature=0.7, method="rejection", seed=1)
+    sampling = {"tokens": dict(), "tokens-ahead": dict(), "topk": rejection, "dense": rejection}
     results = {"target": target.name, "draft": draft.name, "max_new": args.max_new,
                "threads": torch.get_num_threads(), "cells": []}
     for w in rows:
@@ -68,13 +70,15 @@ def main(argv=None) -> int:
                 g = SpeculativeDecoder(target, None).generate(ids, n, **sampling[mode])
                 plain[key] = g.metrics.tokens_per_s
             for rtt in args.rtt:
-                port = ngram_port if mode == "tokens" else model_port
+                port = ngram_port if mode.startswith("tokens") else model_port
                 with DelayProxy(("127.0.0.1", port), delay=rtt / 2000) as proxy:
-                    d = RemoteDrafter(f"127.0.0.1:{proxy.port}", payload=mode,
+                    d = RemoteDrafter(f"127.0.0.1:{proxy.port}", payload=mode.split("-")[0],
                                       top_k=args.top_k, vocab_size=target.vocab_size,
-                                      timeout=10.0)
-                    g = SpeculativeDecoder(target, d).generate(ids, n, **sampling[mode])
+                                      timeout=10.0, lookahead=10 if mode == "tokens-ahead" else 0)
+                    dec = SpeculativeDecoder(target, d)
+                    g = dec.generate(ids, n, **sampling[mode])
                     d.close()
+                    wire = proxy.bytes_up + proxy.bytes_down
                 m, st = g.metrics, d.stats
                 total = st.bytes_sent + st.bytes_received
                 cell = {"workload": w["name"], "mode": mode, "rtt_ms": rtt,
@@ -82,10 +86,14 @@ def main(argv=None) -> int:
                         "speedup": m.tokens_per_s / plain[key],
                         "bytes_per_drafted_token": st.bytes_per_drafted_token,
                         "bytes_per_token": total / max(1, m.tokens),
+                        "wire_bytes_per_drafted_token": wire / max(1, st.drafted),
                         "round_trip_ms": 1000 * statistics.median(st.round_trips)
                         if st.round_trips else None,
                         "tokens_per_step": m.mean_accepted_length, "remote_steps": st.steps,
-                        "local_steps": st.local_steps}
+                        "ahead_hits": st.ahead_hits, "local_steps": st.local_steps,
+                        "failures": st.failures,
+                        "decode_tokens_per_s": m.decode_tokens_per_s,
+                        "predicted_tokens_per_s": dec.last_metrics.predicted_tokens_per_s}
                 results["cells"].append(cell)
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in cell.items()},
                       flush=True)
@@ -102,15 +110,22 @@ def main(argv=None) -> int:
 
 
 def table(results) -> str:
-    lines = ["| workload | payload | round trip | bytes / drafted token | bytes / token | "
-             "tok/step | tokens/s vs target-only |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | payload | round trip | bytes / drafted token (wire) | "
+             "bytes / token | tok/step | look-ahead hits | tokens/s vs target-only | "
+             "decode tok/s, measured / predicted |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in results["cells"]:
+        pred = c["predicted_tokens_per_s"]
         lines.append(f"| {c['workload']} | {c['mode']} | {c['rtt_ms']:g} ms | "
-                     f"{c['bytes_per_drafted_token']:.1f} | {c['bytes_per_token']:.1f} | "
-                     f"{c['tokens_per_step']:.2f} | {c['speedup']:.2f}x |")
+                     f"{c['bytes_per_drafted_token']:.1f} ({c['wire_bytes_per_drafted_token']:.1f})"
+                     f" | {c['bytes_per_token']:.1f} | "
+                     f"{c['tokens_per_step']:.2f} | {c['ahead_hits']}/{c['remote_steps']} | "
+                     f"{c['speedup']:.2f}x | "
+                     + (f"{c['decode_tokens_per_s'] / pred:.2f} |" if pred else "n/a |"))
     lines += ["", f"target {results['target']}, drafter model {results['draft']}, at most "
               f"{results['max_new']} new tokens, torch threads {results['threads']}; tokens: "
-              "n-gram drafter, greedy; topk/dense: the draft model, rejection sampling at T 0.7."]
+              "n-gram drafter, greedy; topk/dense: the draft model, rejection sampling at T 0.7. "
+              "Bytes: protobuf messages both ways (in brackets: all TCP payload through the "
+              "proxy, gRPC and HTTP/2 framing included)."]
     return "\n".join(lines) + "\n"
 
 

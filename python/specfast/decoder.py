@@ -48,7 +48,7 @@ class Metrics:
     t_target: float = 0.0
     t_verify: float = 0.0
     t_total: float = 0.0
-    predicted_tokens: float = 0.0  # the cost model's expectation, summed over steps
+    predicted_tokens: float = 0.0  # the cost model's expectation (batch totals)
     predicted_seconds: float = 0.0
 
     @property
@@ -71,8 +71,9 @@ class Metrics:
 
     @property
     def predicted_tokens_per_s(self) -> float:
-        """Decode tokens/s the draft-length cost model expected of the steps it
-        chose (batch totals only): compare with :attr:`decode_tokens_per_s`."""
+        """Decode tokens/s the draft-length cost model predicts for the draft
+        lengths it chose, given the acceptance this generation measured (batch
+        totals only): compare with :attr:`decode_tokens_per_s`."""
         return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds else 0.0
 
     @property
@@ -222,10 +223,10 @@ class DraftLength:
 
     # -- costs ---------------------------------------------------------------
     @staticmethod
-    def _fit_line(times, one_point):
-        """(intercept, slope) through the fastest time seen at each x (a line
-        weighted by samples); ``one_point(x, t)`` when one x is measured."""
-        pts = [(w, min(t), len(t)) for w, t in times.items() if t]
+    def _fit_line(times, one_point, stat=min):
+        """(intercept, slope) through ``stat`` of the times seen at each x (a
+        line weighted by samples); ``one_point(x, t)`` when one x is measured."""
+        pts = [(w, stat(t), len(t)) for w, t in times.items() if t]
         if len({w for w, _, _ in pts}) == 1:
             return one_point(pts[0][0], pts[0][1])
         xs = np.array([p[0] for p in pts], float)
@@ -257,7 +258,10 @@ class DraftLength:
         if k == 0 or self.cheap_draft or not any(self._draft.values()):
             return 0.0
         if self._draft_line is None:  # one length measured: all of it per token
-            self._draft_line = self._fit_line(self._draft, lambda w, t: (0.0, t / w))
+            # the mean, not the fastest: a remote drafter's look-ahead makes
+            # some steps free and others pay the round trip
+            self._draft_line = self._fit_line(self._draft, lambda w, t: (0.0, t / w),
+                                              stat=lambda t: sum(t) / len(t))
         icpt, slope = self._draft_line
         return icpt + slope * k
 
@@ -465,6 +469,7 @@ class SpeculativeDecoder:
             m.t_prefill = total.t_prefill
         live = list(range(batch)) if max_new > 0 else []
         self._peaks["target_kv"] = 0
+        step_ks: dict = {}  # the longest draft of a step -> steps
 
         while live:
             step_start = time.perf_counter()
@@ -485,10 +490,7 @@ class SpeculativeDecoder:
                     drafts = drafter.propose([contexts[i] for i in live], ks,
                                              [sampling[i] for i in live])
             drafts = [d.head(k) for d, k in zip(drafts, ks)]
-            # what the cost model expects of this step, to compare with what it did
-            total.predicted_tokens += sum(ctl.expected_tokens(*ctl.acceptance(j, d.match), k)
-                                          for j, (d, k) in enumerate(zip(drafts, ks)))
-            total.predicted_seconds += ctl.step_seconds(max(ks))
+            step_ks[max(ks)] = step_ks.get(max(ks), 0) + 1
             t_draft = time.perf_counter() - t0
             if not cheap:
                 ctl.observe_draft(max(ks), t_draft)
@@ -562,9 +564,22 @@ class SpeculativeDecoder:
             if not want_text:
                 texts[i] = target.decode(gen[i])
         total.tokens = sum(len(g) for g in gen)
+        self._predict(total, metrics, step_ks)
         self.last_metrics = total
         self._shape = (batch, max(n_prompt) + max_new)
         return [Generation(texts[i], gen[i], finish[i], metrics[i]) for i in range(batch)]
+
+    def _predict(self, total, metrics, step_ks):
+        """What the cost model predicts for the draft lengths chosen, with this
+        generation's own acceptance (p0, q over all its drafts) and the fitted
+        costs: expected tokens over modelled time (see ``predicted_tokens_per_s``)."""
+        ctl = self.controller
+        tried, passed = total.drafted_at, total.accepted_at
+        p0 = passed[0] / tried[0] if tried and tried[0] else 0.0
+        q = sum(passed[1:]) / sum(tried[1:]) if sum(tried[1:]) else 0.0
+        total.predicted_tokens = sum(n * ctl.expected_tokens(p0, q, k)
+                                     for m in metrics for k, n in m.k_chosen.items())
+        total.predicted_seconds = sum(n * ctl.step_seconds(k) for k, n in step_ks.items())
 
     def _verify(self, rows, drafts, sampling, positions, parents=None):
         torch_rows = type(rows[0]).__module__.split(".", 1)[0] == "torch"

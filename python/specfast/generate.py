@@ -3,6 +3,7 @@
     specfast generate --target model.gguf --drafter ngram --prompt "..."
     specfast generate --target ./big-model --drafter ./small-model --prompt "..." \\
         --temperature 0.8 --seed 7 --method coupled
+    specfast generate --drafter remote:10.0.0.2:50061 --payload topk --prompt "..."
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--drafter", default="ngram",
-                        help="'ngram', 'ngram:N', 'none', or a draft model folder/.gguf")
+                        help="'ngram', 'ngram:N', 'none', a draft model folder/.gguf, or "
+                             "'remote:HOST:PORT' (a specfast serve-drafter)")
+    parser.add_argument("--payload", choices=["tokens", "topk", "dense"], default="tokens",
+                        help="what a remote drafter sends per drafted token")
+    parser.add_argument("--lookahead", type=int, default=8,
+                        help="tokens a remote drafter drafts ahead while the target verifies")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for a batch); '-' reads stdin")
     parser.add_argument("--raw", action="store_true", help="no chat template")
@@ -47,8 +53,14 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
     target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
-    drafter = None if args.drafter == "none" else \
-        make(args.drafter, branches=args.tree, chat=not args.raw)
+    if args.drafter.startswith("remote:"):
+        from .remote import RemoteDrafter
+
+        drafter = RemoteDrafter(args.drafter[len("remote:"):], payload=args.payload,
+                                vocab_size=target.vocab_size, lookahead=args.lookahead)
+    else:
+        drafter = None if args.drafter == "none" else \
+            make(args.drafter, branches=args.tree, chat=not args.raw)
     k = args.draft_length if args.draft_length == "auto" else int(args.draft_length)
     dec = SpeculativeDecoder(target, drafter, k=k)
     single = len(prompts) == 1

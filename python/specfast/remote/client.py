@@ -376,12 +376,14 @@ class RemoteDrafter(Drafter):
             raise RemoteError("a draft tree with invalid parents")
         probs = None
         if n and self.payload == "topk" and d.ids:
-            ids = np.frombuffer(d.ids, "<i4")
+            ids = np.array(d.ids, np.int64)
             vals = np.frombuffer(d.probs, "<f4")
             if ids.size != n * self.top_k or vals.size != ids.size:
                 raise RemoteError("a top-k draft of the wrong size")
-            probs = _api.SparseProbs(ids.reshape(n, self.top_k).copy(),
-                                     vals.reshape(n, self.top_k).copy())
+            if ids.max() >= self.vocab_size:
+                raise RemoteError("a top-k draft with ids outside the vocabulary")
+            ids = np.where(vals > 0, ids, -1).astype(np.int32)  # unused slots
+            probs = _api.SparseProbs(ids.reshape(n, self.top_k), vals.reshape(n, self.top_k).copy())
         elif n and self.payload == "dense" and d.probs:
             vals = np.frombuffer(d.probs, "<f4")
             if vals.size != n * self.vocab_size:

@@ -4,7 +4,8 @@ Where ``tc netem`` is missing (these kernels have none), tests and benchmarks
 put this between the two: every chunk read on one side is written to the other
 ``delay`` seconds later (one way; the round trip is twice that), in order, and
 no faster than ``rate`` bytes per second (a token bucket). Each connection gets
-two pump threads per direction.
+two pump threads per direction. ``bytes_up`` and ``bytes_down`` count what
+crossed (TCP payload: gRPC and HTTP/2 framing included, TCP/IP headers not).
 
     with DelayProxy(("10.0.0.2", 50061), delay=0.0025, rate=12.5e6) as proxy:
         RemoteDrafter(f"127.0.0.1:{proxy.port}", ...)
@@ -28,6 +29,8 @@ class DelayProxy:
         self.host, self.port = self._sock.getsockname()[:2]
         self._conns: list = []
         self._closed = threading.Event()
+        self.bytes_up = 0  # TCP payload bytes client -> upstream
+        self.bytes_down = 0  # and back
         threading.Thread(target=self._accept, daemon=True).start()
 
     def __enter__(self):
@@ -60,10 +63,10 @@ class DelayProxy:
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._conns.append(s)
-            self._pipe(client, server)
-            self._pipe(server, client)
+            self._pipe(client, server, "bytes_up")
+            self._pipe(server, client, "bytes_down")
 
-    def _pipe(self, src, dst):
+    def _pipe(self, src, dst, counter):
         chunks: queue.Queue = queue.Queue()
 
         def read():
@@ -101,6 +104,7 @@ class DelayProxy:
                     dst.sendall(data)
                 except OSError:
                     return
+                setattr(self, counter, getattr(self, counter) + len(data))
 
         threading.Thread(target=read, daemon=True).start()
         threading.Thread(target=write, daemon=True).start()

@@ -71,8 +71,9 @@ def encode_draft(d, payload: int, top_k: int, vocab: int):
         pad = top_k - ids.shape[1]
         ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
         vals = np.pad(vals, ((0, 0), (0, pad)))
-    msg.ids = np.ascontiguousarray(ids[:, :top_k], "<i4").tobytes()
-    msg.probs = np.ascontiguousarray(vals[:, :top_k], "<f4").tobytes()
+    vals = vals[:, :top_k]
+    msg.ids.extend(np.where((ids[:, :top_k] >= 0) & (vals > 0), ids[:, :top_k], 0).ravel().tolist())
+    msg.probs = np.ascontiguousarray(vals, "<f4").tobytes()
     return msg
 
 
@@ -177,9 +178,10 @@ class _Session:
 class DrafterService(pb_grpc.DrafterServicer):
     """The gRPC service; ``make_drafter()`` gives a fresh drafter per session."""
 
-    def __init__(self, make_drafter, auth_token: str | None = None):
+    def __init__(self, make_drafter, auth_token: str | None = None, idle: float = 600.0):
         self.make_drafter = make_drafter
         self.auth_token = auth_token
+        self.idle = idle  # seconds a session may stay silent before it is closed
         self.name = getattr(make_drafter(), "name", "drafter")
 
     def Session(self, request_iterator, context):  # noqa: N802 - gRPC's name
@@ -196,9 +198,19 @@ class DrafterService(pb_grpc.DrafterServicer):
             inbox.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
+        def messages():
+            while True:
+                try:
+                    m = inbox.get(timeout=self.idle)
+                except queue.Empty:
+                    raise ProtocolError(f"no message for {self.idle:g} s: session closed") from None
+                if m is None:
+                    return
+                yield m
+
         session = None
         try:
-            for msg in iter(inbox.get, None):
+            for msg in messages():
                 kind = msg.WhichOneof("msg")
                 if session is None:
                     if kind != "hello":
@@ -224,16 +236,18 @@ class DrafterService(pb_grpc.DrafterServicer):
 
 
 def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=None,
-          tls: tuple | None = None, workers: int = 8, max_message: int = MAX_MESSAGE):
+          tls: tuple | None = None, workers: int = 8, max_message: int = MAX_MESSAGE,
+          idle: float = 600.0):
     """Starts a server; returns ``(server, port)``. ``tls`` is ``(cert_pem, key_pem)``
     bytes. Binds to loopback unless told otherwise; a message over
-    ``max_message`` bytes ends its stream (RESOURCE_EXHAUSTED)."""
+    ``max_message`` bytes ends its stream (RESOURCE_EXHAUSTED); a session
+    silent for ``idle`` seconds is closed (each holds one of ``workers``)."""
     import grpc
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=[
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", max_message)])
-    pb_grpc.add_DrafterServicer_to_server(DrafterService(make_drafter, auth_token), server)
+    pb_grpc.add_DrafterServicer_to_server(DrafterService(make_drafter, auth_token, idle), server)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is not None:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
