@@ -64,6 +64,17 @@ def full_logits(adapter, ids):
     return out.logits[0, -1:].float().numpy()
 
 
+def two_token_joint(target, prompt):
+    """The exact distribution of the first two tokens after ``prompt``."""
+    p1 = specfast.probs(full_logits(target, prompt))[0]
+    expected = {}
+    for a in range(len(p1)):
+        p2 = specfast.probs(full_logits(target, prompt + [a]))[0]
+        for b in range(len(p2)):
+            expected[(a, b)] = float(p1[a] * p2[b])
+    return expected
+
+
 def reference(adapter, prompt, n, **sampling):
     """Plain decoding, token by token: specfast.sample at each absolute position."""
     ids = list(prompt)
@@ -137,13 +148,8 @@ def test_rejection_sampling_is_exact(drafter):
     d = NgramDrafter(max_ngram=2, min_ngram=1) if drafter == "ngram" else ModelDrafter(draft)
     out = SpeculativeDecoder(target, d, k=2).generate(
         [prompt] * n, 2, temperature=1.0, seed=list(range(n)), method="rejection")
-    p1 = specfast.probs(full_logits(target, prompt))[0]
-    expected = {}
-    for a in range(6):
-        p2 = specfast.probs(full_logits(target, prompt + [a]))[0]
-        for b in range(6):
-            expected[(a, b)] = float(p1[a] * p2[b])
-    assert_outcomes([tuple(g.tokens) for g in out], expected, f"rejection/{drafter}")
+    assert_outcomes([tuple(g.tokens) for g in out], two_token_joint(target, prompt),
+                    f"rejection/{drafter}")
     total = sum(g.metrics.draft_n for g in out)
     assert total > 0  # the drafter really drafted
 
@@ -254,3 +260,16 @@ def test_draft_length_counts_a_round_trip_once_per_step():
     assert far.choose(0, 100) >= near.choose(0, 100) > 0
     assert abs(far._drafting(5) - (0.02 + 5 * 0.004)) < 1e-9
     assert controller(1.0).choose(0, 100) == 0  # a 1 s round trip never pays
+
+
+def test_draft_length_measures_a_plain_step():
+    """Drafting every step measures only draft widths; the controller then takes
+    a plain step now and then to learn what drafting costs against it."""
+    c = DraftLength(max_k=4)
+    c.start(1)
+    c.observe_target(3, 0.06)
+    ks = [c.choose(0, 100) for _ in range(8)]
+    assert 0 in ks
+    c.observe_target(1, 0.05)
+    c.observe(0, 2, 2)
+    assert all(c.choose(0, 100) > 0 for _ in range(16))  # measured: no more detours

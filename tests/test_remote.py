@@ -21,19 +21,9 @@ from specfast.remote import drafter_pb2_grpc as pb_grpc  # noqa: E402
 from specfast.remote.proxy import DelayProxy  # noqa: E402
 
 from stats import assert_outcomes, scaled  # noqa: E402
-from test_decoder import PROMPTS, full_logits, one_thread, reference, tiny_model  # noqa: E402,F401
+from test_decoder import (PROMPTS, draft_model, one_thread, reference,  # noqa: E402,F401
+                          target, tiny_model, two_token_joint)
 
-import specfast  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(seed=0)
-
-
-@pytest.fixture(scope="module")
-def draft_model():
-    return tiny_model(seed=1, layers=1)
 
 
 @pytest.fixture
@@ -61,6 +51,10 @@ def test_greedy_through_the_network_equals_plain(target, ngram_server):
     assert st.drafted == dec.last_metrics.draft_n
     # tokens only: ids and framing, far below 16 bytes per drafted token
     assert 0 < st.bytes_per_drafted_token <= 16, st.as_dict()
+    t = dec.last_metrics.transfer  # the generation's metrics say what crossed
+    assert t["total_bytes"] == st.total_bytes > st.session_bytes > 0
+    assert t["bytes_per_token"] == st.total_bytes / dec.last_metrics.tokens
+    assert "B/drafted token" in dec.last_metrics.summary()
 
 
 def test_trees_travel(target, ngram_server):
@@ -122,13 +116,8 @@ def test_topk_rejection_sampling_is_exact(link):
         assert d.stats.local_steps == 0 and d.stats.drafted > 0
     finally:
         server.stop(0)
-    p1 = specfast.probs(full_logits(target, prompt))[0]
-    expected = {}
-    for a in range(6):
-        p2 = specfast.probs(full_logits(target, prompt + [a]))[0]
-        for b in range(6):
-            expected[(a, b)] = float(p1[a] * p2[b])
-    assert_outcomes([tuple(g.tokens) for g in out], expected, "rejection/remote-topk")
+    assert_outcomes([tuple(g.tokens) for g in out], two_token_joint(target, prompt),
+                    "rejection/remote-topk")
 
 
 def test_tokens_payload_refuses_rejection_with_a_sampling_drafter(target, draft_model):

@@ -53,8 +53,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     target = HFModel.from_pretrained(args.target or smollm2_path())
     draft = HFModel.from_pretrained(args.draft_model) if args.draft_model else target
-    ngram_server, ngram_port = serve(lambda: NgramDrafter())
-    model_server, model_port = serve(lambda: ModelDrafter(draft))
+    makers = {"tokens": lambda: NgramDrafter(), "model": lambda: ModelDrafter(draft)}
     rows = workloads.load(names=args.workloads)
     rejection = dict(temperature=0.7, method="rejection", seed=1)
     sampling = {"tokens": dict(), "tokens-ahead": dict(), "topk": rejection, "dense": rejection}
@@ -70,7 +69,8 @@ def main(argv=None) -> int:
                 g = SpeculativeDecoder(target, None).generate(ids, n, **sampling[mode])
                 plain[key] = g.metrics.tokens_per_s
             for rtt in args.rtt:
-                port = ngram_port if mode.startswith("tokens") else model_port
+                # a server per run: no session of an earlier run can hold it up
+                server, port = serve(makers["tokens" if mode.startswith("tokens") else "model"])
                 with DelayProxy(("127.0.0.1", port), delay=rtt / 2000) as proxy:
                     d = RemoteDrafter(f"127.0.0.1:{proxy.port}", payload=mode.split("-")[0],
                                       top_k=args.top_k, vocab_size=target.vocab_size,
@@ -79,13 +79,15 @@ def main(argv=None) -> int:
                     g = dec.generate(ids, n, **sampling[mode])
                     d.close()
                     wire = proxy.bytes_up + proxy.bytes_down
+                server.stop(0)
                 m, st = g.metrics, d.stats
-                total = st.bytes_sent + st.bytes_received
+                total = st.bytes_sent + st.bytes_received + st.session_bytes
                 cell = {"workload": w["name"], "mode": mode, "rtt_ms": rtt,
                         "tokens": m.tokens, "tokens_per_s": m.tokens_per_s,
                         "speedup": m.tokens_per_s / plain[key],
                         "bytes_per_drafted_token": st.bytes_per_drafted_token,
                         "bytes_per_token": total / max(1, m.tokens),
+                        "session_bytes": st.session_bytes,
                         "wire_bytes_per_drafted_token": wire / max(1, st.drafted),
                         "round_trip_ms": 1000 * statistics.median(st.round_trips)
                         if st.round_trips else None,
@@ -97,8 +99,6 @@ def main(argv=None) -> int:
                 results["cells"].append(cell)
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in cell.items()},
                       flush=True)
-    ngram_server.stop(0)
-    model_server.stop(0)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "remote.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -124,8 +124,9 @@ def table(results) -> str:
     lines += ["", f"target {results['target']}, drafter model {results['draft']}, at most "
               f"{results['max_new']} new tokens, torch threads {results['threads']}; tokens: "
               "n-gram drafter, greedy; topk/dense: the draft model, rejection sampling at T 0.7. "
-              "Bytes: protobuf messages both ways (in brackets: all TCP payload through the "
-              "proxy, gRPC and HTTP/2 framing included)."]
+              "Bytes: protobuf messages both ways, per drafted token those of the steps "
+              "(in brackets: all TCP payload through the proxy, gRPC and HTTP/2 framing and "
+              "the session's opening with the prompt included); per token: all messages."]
     return "\n".join(lines) + "\n"
 
 

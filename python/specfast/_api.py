@@ -53,6 +53,14 @@ class SparseProbs:
     def __repr__(self) -> str:
         return f"SparseProbs(N={self.indices.shape[0]}, K={self.indices.shape[1]})"
 
+    def dense(self, vocab: int) -> np.ndarray:
+        """The same distributions as ``(N, vocab)`` float32 rows (CPU arrays)."""
+        idx, val = np.asarray(self.indices), np.asarray(self.values, np.float32)
+        q = np.zeros((idx.shape[0], vocab), np.float32)
+        rows, cols = np.nonzero(idx >= 0)
+        q[rows, idx[rows, cols]] = val[rows, cols]
+        return q
+
 
 class VerifyResult(NamedTuple):
     """What :func:`verify` returns, per request.

@@ -50,6 +50,7 @@ class Metrics:
     t_total: float = 0.0
     predicted_tokens: float = 0.0  # the cost model's expectation (batch totals)
     predicted_seconds: float = 0.0
+    transfer: dict = field(default_factory=dict)  # a remote drafter's traffic (batch totals)
 
     @property
     def acceptance_rate(self) -> float:
@@ -112,12 +113,19 @@ class Metrics:
 
     def summary(self) -> str:
         pos = " ".join(f"{p:.2f}" for p in self.per_position_acceptance[:8])
+        net = ""
+        if self.transfer:
+            t = self.transfer
+            net = (f"; network {t['bytes_per_step']:.0f} B/step, "
+                   f"{t['bytes_per_drafted_token']:.1f} B/drafted token, "
+                   f"{t['bytes_per_token']:.1f} B/token")
         return (f"{self.tokens} tokens in {self.t_total:.2f} s ({self.tokens_per_s:.1f} tok/s), "
                 f"{self.target_steps} target steps ({self.mean_accepted_length:.2f} tok/step), "
                 f"drafted {self.draft_n} accepted {self.draft_n_accepted} "
                 f"({100 * self.acceptance_rate:.0f}%), per position [{pos}]; "
                 f"time: prefill {self.t_prefill:.2f} draft {self.t_draft:.2f} "
-                f"target {self.t_target:.2f} verify {self.t_verify:.2f} other {self.t_other:.2f} s")
+                f"target {self.t_target:.2f} verify {self.t_verify:.2f} other {self.t_other:.2f} s"
+                + net)
 
 
 @dataclass
@@ -187,6 +195,7 @@ class DraftLength:
         self.prior_slope = prior_slope
         self.cheap_draft = False
         self._times: dict = {}  # width -> recent forward seconds
+        self._unmeasured = 0  # choices made without a measured plain step
         self._draft: dict = {}  # draft length -> recent seconds of proposing
         self._draft_line = None
         self._fixed: deque = deque(maxlen=window)  # verify + other, per step
@@ -269,10 +278,20 @@ class DraftLength:
         q = min(q, 0.995)
         return 1.0 + p0 * (1 - q ** k) / (1 - q)
 
-    def step_seconds(self, k: int) -> float:
-        """The modelled time of a step drafting k: draft, verify k + 1, the rest."""
-        fixed = min(self._fixed) if self._fixed else 0.0
-        return self._target(k + 1) + self._drafting(k) + fixed
+    def step_seconds(self, k: int, typical: bool = False) -> float:
+        """The modelled time of a step drafting k: draft, verify k + 1, the rest.
+        ``typical``: from mean times (what a run will see), not the fastest
+        (what k is chosen from, robust to load)."""
+        if not typical:
+            fixed = min(self._fixed) if self._fixed else 0.0
+            return self._target(k + 1) + self._drafting(k) + fixed
+        mean = lambda t: sum(t) / len(t)  # noqa: E731
+        fixed = mean(self._fixed) if self._fixed else 0.0
+        if not any(self._times.values()):
+            return self._target(k + 1) + self._drafting(k) + fixed
+        icpt, slope = self._fit_line(self._times, lambda w, t: (t - self.prior_slope * t * w,
+                                                                self.prior_slope * t), mean)
+        return max(icpt + slope * (k + 1), 1e-9) + self._drafting(k) + fixed
 
     def expected_rate(self, p0: float, q: float, k: int) -> float:
         """Tokens per second when drafting k with acceptance (p0, q)."""
@@ -288,6 +307,12 @@ class DraftLength:
             return 0
         if self.fixed is not None:
             return min(self.fixed, cap)
+        if not self._times.get(1) and self._times:
+            # the cost of a plain step is unmeasured: without it a line through
+            # draft widths alone makes drafting look free, so take one now and then
+            self._unmeasured += 1
+            if self._unmeasured % 8 == 0:
+                return 0
         p0, q = self.acceptance(i, match)
         best_k, best = 0, self.expected_rate(p0, q, 0)
         for k in range(1, cap + 1):
@@ -565,6 +590,10 @@ class SpeculativeDecoder:
                 texts[i] = target.decode(gen[i])
         total.tokens = sum(len(g) for g in gen)
         self._predict(total, metrics, step_ks)
+        stats = getattr(drafter, "stats", None)
+        if hasattr(stats, "as_dict"):  # a remote drafter: what crossed the network
+            total.transfer = stats.as_dict()
+            total.transfer["bytes_per_token"] = stats.total_bytes / max(1, total.tokens)
         self.last_metrics = total
         self._shape = (batch, max(n_prompt) + max_new)
         return [Generation(texts[i], gen[i], finish[i], metrics[i]) for i in range(batch)]
@@ -579,7 +608,8 @@ class SpeculativeDecoder:
         q = sum(passed[1:]) / sum(tried[1:]) if sum(tried[1:]) else 0.0
         total.predicted_tokens = sum(n * ctl.expected_tokens(p0, q, k)
                                      for m in metrics for k, n in m.k_chosen.items())
-        total.predicted_seconds = sum(n * ctl.step_seconds(k) for k, n in step_ks.items())
+        total.predicted_seconds = sum(n * ctl.step_seconds(k, typical=True)
+                                      for k, n in step_ks.items())
 
     def _verify(self, rows, drafts, sampling, positions, parents=None):
         torch_rows = type(rows[0]).__module__.split(".", 1)[0] == "torch"
@@ -674,9 +704,7 @@ def _draft_probs(drafts, vocab):
             q = np.zeros((len(d.tokens), vocab), np.float32)
             q[np.arange(len(d.tokens)), d.tokens] = 1.0
         elif isinstance(d.probs, _api.SparseProbs):
-            q = np.zeros((len(d.tokens), vocab), np.float32)
-            for r, (ix, vx) in enumerate(zip(d.probs.indices, d.probs.values)):
-                q[r, ix[ix >= 0]] = vx[ix >= 0]
+            q = d.probs.dense(vocab)
         else:
             q = np.asarray(d.probs, np.float32)
         out.append(q)

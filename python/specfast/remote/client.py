@@ -39,10 +39,13 @@ class RemoteError(RuntimeError):
 
 @dataclass
 class TransferStats:
-    """What travelled: bytes each way (serialized messages), steps, round trips."""
+    """What travelled (serialized messages), steps, round trips. Per step and per
+    drafted token count the steps' traffic; ``session_bytes`` (the prompts,
+    once per session) is apart."""
 
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    session_bytes: int = 0  # opening sessions: hello (the prompts) and welcome
+    bytes_sent: int = 0  # steps: contexts' news and draft lengths
+    bytes_received: int = 0  # drafts and look-aheads
     steps: int = 0  # steps drafted remotely
     ahead_hits: int = 0  # of which the look-ahead served, without a round trip
     local_steps: int = 0  # steps drafted by the fallback
@@ -50,6 +53,10 @@ class TransferStats:
     sessions: int = 0
     failures: list = field(default_factory=list)
     round_trips: list = field(default_factory=list)  # seconds per remote step
+
+    @property
+    def total_bytes(self) -> int:
+        return self.session_bytes + self.bytes_sent + self.bytes_received
 
     @property
     def bytes_per_step(self) -> float:
@@ -61,7 +68,7 @@ class TransferStats:
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
-        d.update(bytes_per_step=self.bytes_per_step,
+        d.update(total_bytes=self.total_bytes, bytes_per_step=self.bytes_per_step,
                  bytes_per_drafted_token=self.bytes_per_drafted_token)
         return d
 
@@ -249,8 +256,7 @@ class RemoteDrafter(Drafter):
             msg = pb.ToDrafter(hello=hello)
             stream.send(msg)
             reply = stream.receive()
-            self.stats.bytes_sent += msg.ByteSize()  # it arrived: it was answered
-            self.stats.bytes_received += reply.ByteSize()
+            self.stats.session_bytes += msg.ByteSize() + reply.ByteSize()  # it was answered
             if reply.WhichOneof("msg") != "welcome" or reply.welcome.version != VERSION:
                 stream.close()
                 raise RemoteError("the drafter answered hello with something else")

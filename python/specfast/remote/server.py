@@ -50,12 +50,8 @@ def encode_draft(d, payload: int, top_k: int, vocab: int):
     if payload == pb.TOKENS or not d.tokens or d.probs is None:
         return msg
     if payload == pb.DENSE:
-        if isinstance(d.probs, _api.SparseProbs):
-            q = np.zeros((len(d.tokens), vocab), np.float32)
-            for r, (ix, vx) in enumerate(zip(d.probs.indices, d.probs.values)):
-                q[r, ix[ix >= 0]] = vx[ix >= 0]
-        else:
-            q = np.asarray(d.probs, np.float32)
+        q = d.probs.dense(vocab) if isinstance(d.probs, _api.SparseProbs) else \
+            np.asarray(d.probs, np.float32)
         msg.probs = np.ascontiguousarray(q, "<f4").tobytes()
         return msg
     if isinstance(d.probs, _api.SparseProbs):
