@@ -542,7 +542,9 @@ class SpeculativeDecoder:
             for j, i in enumerate(live):
                 n_acc = int(result.num_accepted[j])
                 drafted, nodes = _depth(drafts[j]), len(drafts[j].tokens)
-                ctl.observe(j, drafted, n_acc, drafts[j].match)
+                # the statistics k was chosen from: per match bucket only when the
+                # draft (and its match) was known before k was
+                ctl.observe(j, drafted, n_acc, drafts[j].match if cheap else None)
                 metrics[i]._count(drafted, n_acc, nodes)
                 total._count(drafted, n_acc, nodes)
                 metrics[i].target_steps += 1
