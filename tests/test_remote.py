@@ -317,3 +317,28 @@ def test_a_silent_session_is_closed():
             hold.set()
     finally:
         server.stop(0)
+
+
+def test_tls(target, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    server, port = serve(lambda: NgramDrafter(), tls=(cert.read_bytes(), key.read_bytes()))
+    try:
+        d = RemoteDrafter(f"localhost:{port}", vocab_size=target.vocab_size,
+                          tls=cert.read_bytes(), timeout=5.0)
+        out = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[0], 20)
+        assert out.tokens == reference(target, PROMPTS[0], 20, temperature=0.0)
+        assert d.stats.steps > 0 and not d.stats.failures
+        plain = remote(port, target, timeout=1.0)  # no TLS: no session, decodes locally
+        SpeculativeDecoder(target, plain, k=3).generate(PROMPTS[0], 8)
+        assert plain.stats.steps == 0 and plain.stats.failures
+    finally:
+        server.stop(0)
