@@ -245,20 +245,18 @@ class DraftLength:
         slope = max(float(slope), 0.0)
         return max(float(np.average(ys - slope * xs, weights=ws)), 0.0), slope
 
+    def _target_line(self, stat=min):
+        """(intercept, slope) of the target forward against its width."""
+        if not any(self._times.values()):
+            return 1.0, self.prior_slope  # relative units until measured
+        icpt, slope = self._fit_line(
+            self._times, lambda w, t: (t - self.prior_slope * t * w, self.prior_slope * t), stat)
+        return max(icpt, 1e-9), slope
+
     def _fit(self):
         if self._line is None:
-            if not any(self._times.values()):
-                self._line = (1.0, self.prior_slope)  # relative units until measured
-            else:
-                icpt, slope = self._fit_line(
-                    self._times, lambda w, t: (t - self.prior_slope * t * w,
-                                               self.prior_slope * t))
-                self._line = (max(icpt, 1e-9), slope)
+            self._line = self._target_line()
         return self._line
-
-    def _target(self, width: int) -> float:
-        icpt, slope = self._fit()
-        return max(icpt + slope * width, 1e-9)
 
     def _drafting(self, k: int) -> float:
         """Seconds to draft k tokens: a fixed part (a remote drafter's round trip,
@@ -269,8 +267,7 @@ class DraftLength:
         if self._draft_line is None:  # one length measured: all of it per token
             # the mean, not the fastest: a remote drafter's look-ahead makes
             # some steps free and others pay the round trip
-            self._draft_line = self._fit_line(self._draft, lambda w, t: (0.0, t / w),
-                                              stat=lambda t: sum(t) / len(t))
+            self._draft_line = self._fit_line(self._draft, lambda w, t: (0.0, t / w), _mean)
         icpt, slope = self._draft_line
         return icpt + slope * k
 
@@ -282,15 +279,9 @@ class DraftLength:
         """The modelled time of a step drafting k: draft, verify k + 1, the rest.
         ``typical``: from mean times (what a run will see), not the fastest
         (what k is chosen from, robust to load)."""
-        if not typical:
-            fixed = min(self._fixed) if self._fixed else 0.0
-            return self._target(k + 1) + self._drafting(k) + fixed
-        mean = lambda t: sum(t) / len(t)  # noqa: E731
-        fixed = mean(self._fixed) if self._fixed else 0.0
-        if not any(self._times.values()):
-            return self._target(k + 1) + self._drafting(k) + fixed
-        icpt, slope = self._fit_line(self._times, lambda w, t: (t - self.prior_slope * t * w,
-                                                                self.prior_slope * t), mean)
+        stat = _mean if typical else min
+        icpt, slope = self._target_line(_mean) if typical else self._fit()
+        fixed = stat(self._fixed) if self._fixed else 0.0
         return max(icpt + slope * (k + 1), 1e-9) + self._drafting(k) + fixed
 
     def expected_rate(self, p0: float, q: float, k: int) -> float:
@@ -361,6 +352,10 @@ class DraftLength:
 
     def observe_fixed(self, seconds: float) -> None:
         self._fixed.append(seconds)
+
+
+def _mean(times) -> float:
+    return sum(times) / len(times)
 
 
 # -- the decoder ---------------------------------------------------------------
