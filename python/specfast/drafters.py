@@ -168,13 +168,22 @@ class NgramDrafter(Drafter):
         self._indexed = [0 for _ in contexts]
         self._tokens = [[] for _ in contexts]
 
+    def _keys(self, toks, e):
+        """The indexed n-grams ending at position e."""
+        return [tuple(toks[e - n + 1:e + 1])
+                for n in range(self.min_ngram, min(self.max_ngram, e + 1) + 1)]
+
+    def _sample(self, ends):
+        """At most ``candidates`` of a n-gram's end positions: the first and last halves."""
+        c = self.candidates
+        return ends if len(ends) <= c else ends[:c // 2] + ends[-(c - c // 2):]
+
     def _update(self, i, ctx):
         # index n-grams ending at positions < len(ctx) - 1 (never the suffix itself)
         index, end = self._index[i], len(ctx) - 1
         for e in range(max(self._indexed[i], self.min_ngram - 1), end):
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if e - n + 1 >= 0:
-                    index.setdefault(tuple(ctx[e - n + 1:e + 1]), []).append(e)
+            for key in self._keys(ctx, e):
+                index.setdefault(key, []).append(e)
         if end > self._indexed[i]:
             self._tokens[i].extend(ctx[len(self._tokens[i]):end])
             self._indexed[i] = end
@@ -186,12 +195,11 @@ class NgramDrafter(Drafter):
             keep = max(0, min(self._indexed[i], n_keep - 1))
             toks, index = self._tokens[i], self._index[i]
             for e in range(self._indexed[i] - 1, keep - 1, -1):  # newest first
-                for n in range(self.min_ngram, self.max_ngram + 1):
-                    if e - n + 1 >= 0:
-                        ends = index[tuple(toks[e - n + 1:e + 1])]
-                        ends.pop()
-                        if not ends:
-                            del index[tuple(toks[e - n + 1:e + 1])]
+                for key in self._keys(toks, e):
+                    ends = index[key]
+                    ends.pop()
+                    if not ends:
+                        del index[key]
             del toks[keep:]
             self._indexed[i] = keep
 
@@ -202,10 +210,8 @@ class NgramDrafter(Drafter):
             ends = self._index[i].get(tuple(ctx[-n:]))
             if not ends:
                 continue
-            c = self.candidates
-            cands = ends if len(ends) <= c else ends[:c // 2] + ends[-(c - c // 2):]
             best, best_len = -1, -1
-            for e in cands:  # ascending: strict > keeps the earliest on ties
+            for e in self._sample(ends):  # ascending: strict > keeps the earliest on ties
                 j = self._extend(ctx, e, n)
                 if j > best_len:
                     best, best_len = e, j
@@ -230,8 +236,7 @@ class NgramDrafter(Drafter):
             ends = self._index[i].get(tuple(ctx[-n:]))
             if not ends:
                 continue
-            c = self.candidates
-            for e in ends if len(ends) <= c else ends[:c // 2] + ends[-(c - c // 2):]:
+            for e in self._sample(ends):
                 if e not in found:
                     found[e] = self._extend(ctx, e, n)
                     firsts.add(ctx[e + 1])
@@ -266,11 +271,9 @@ class NgramDrafter(Drafter):
                 weight[node] += j * j
                 parent = node
         scale = 1.0 / sum(j * j for _, j in found)
-        score = [w * scale * self.decay ** d for w, (_, _, d) in zip(weight, nodes)]
-        best = sorted(range(len(nodes)), key=lambda n: (-score[n], nodes[n][2], n))[:k]
-        local = {n: r for r, n in enumerate(best)}
-        return Draft([nodes[n][0] for n in best], None, found[0][1],
-                     [local[nodes[n][1]] if nodes[n][1] >= 0 else -1 for n in best])
+        tokens, parents, depths = zip(*nodes)
+        score = [w * scale * self.decay ** d for w, d in zip(weight, depths)]
+        return _best_tree(tokens, parents, score, depths, k, found[0][1])
 
     def propose(self, contexts, ks, sampling):
         out = []
@@ -402,11 +405,13 @@ class ModelDrafter(Drafter):
                  for i in live}
         tok = {i: [] for i in live}
         par = {i: [] for i in live}
+        dep = {i: [] for i in live}
         score = {i: [] for i in live}
         q = {i: [] for i in live}
         level = {i: [-1] for i in live}  # nodes whose children come next
         rows = {(i, -1): lg for i, lg in root_logits.items()}  # (i, node) -> logits
-        for depth in range(max(ks[i] for i in live)):
+        deepest = max(ks[i] for i in live)
+        for depth in range(deepest):
             # drawn trees stop at k draws; ranked ones at 2k candidates
             owners = [(i, n) for i in live for n in level[i]
                       if depth < ks[i] and len(tok[i]) < (1 if draws[i] else 2) * ks[i]]
@@ -435,12 +440,13 @@ class ModelDrafter(Drafter):
                     born[i].append(len(tok[i]))
                     tok[i].append(t)
                     par[i].append(n)
+                    dep[i].append(depth)
                     score[i].append(sc)
                 lg[np.arange(len(owners)), drawn] = -np.inf
             grow = [i for i in live if born[i]]
             for i in live:  # the most confident of the new nodes grow next
                 level[i] = sorted(born[i], key=lambda n: -score[i][n])[:self.branches]
-            if depth + 1 < max(ks[i] for i in live) and grow:
+            if depth + 1 < deepest and grow:
                 # one forward over the paths to the nodes that grow next
                 m.truncate(self._state, [len(c) - 1 for c in contexts])
                 sub = {i: _subtree(par[i], level[i]) for i in grow}
@@ -452,19 +458,15 @@ class ModelDrafter(Drafter):
                     at = {n: r for r, n in enumerate(sub[i][0])}
                     for n in level[i]:
                         rows[(i, n)] = out[i][1 + at[n]]
-        m.truncate(self._state, [min(f, len(c) - 1) for f, c in zip(self._fed, contexts)])
         self._fed = [min(f, len(c) - 1) for f, c in zip(self._fed, contexts)]
+        m.truncate(self._state, self._fed)
         drafts = [Draft([], None) for _ in range(batch)]
         for i in live:
             if draws[i]:
                 probs = self._report(np.stack(q[i]), tok[i], sampling[i]) if tok[i] else None
                 drafts[i] = Draft(tok[i], probs, 0, par[i])
                 continue
-            best = sorted(range(len(tok[i])), key=lambda n: (-score[i][n], _depth_of(par[i], n),
-                                                             n))[:ks[i]]
-            local = {n: r for r, n in enumerate(best)}
-            drafts[i] = Draft([tok[i][n] for n in best], None, 0,
-                              [local[par[i][n]] if par[i][n] >= 0 else -1 for n in best])
+            drafts[i] = _best_tree(tok[i], par[i], score[i], dep[i], ks[i])
         self._peak = max(self._peak, m.kv_bytes(self._state))
         return drafts
 
@@ -530,11 +532,13 @@ def _subtree(parents, ends):
     return nodes, [at[parents[n]] if parents[n] >= 0 else -1 for n in nodes]
 
 
-def _depth_of(parents, n):
-    d = 0
-    while n >= 0:
-        n, d = parents[n], d + 1
-    return d
+def _best_tree(tokens, parents, score, depth, k, match=0) -> Draft:
+    """The k best nodes, shallower first on ties, listed best first with their
+    parents re-indexed; a tree, since no child scores above its parent."""
+    best = sorted(range(len(tokens)), key=lambda n: (-score[n], depth[n], n))[:k]
+    local = {n: r for r, n in enumerate(best)}
+    return Draft([tokens[n] for n in best], None, match,
+                 [local[parents[n]] if parents[n] >= 0 else -1 for n in best])
 
 
 def _np_logits(rows):
