@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._tree import kv_compact, tree_mask
+
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -201,7 +203,7 @@ class HFModel:
                 if trees is not None and trees[b] is not None:
                     if len(trees[b]) != n - 1:
                         raise ValueError(f"row {b}: {len(trees[b])} parents for {n - 1} nodes")
-                    seen, depth = _api_tree_mask(trees[b])
+                    seen, depth = tree_mask(np.asarray(trees[b], np.int32))
                     block[b, width - n:, width - n:] = torch.from_numpy(seen)
                     depth = torch.from_numpy(depth).long()
                 positions[b, width - n:] = state.lengths[b] + depth
@@ -280,8 +282,6 @@ class HFModel:
         returns them), moved in place to the slots after the root, as after a
         chain; the other nodes of its tree are dropped. Chain rows (identity
         paths) are unchanged. Call :meth:`truncate` next, as after a chain."""
-        from .._tree import kv_compact
-
         torch = self.torch
         start, width = state.block
         nodes = np.ascontiguousarray(accepted_nodes, np.int32)
@@ -364,13 +364,6 @@ class HFModel:
             layer.values = layer.values.gather(2, gather)
         state.pos = torch.where(valid, state.pos.gather(1, index), torch.full_like(index, -1))
         state.valid = valid
-
-
-def _api_tree_mask(parents):
-    """(mask, depth) of one tree, root included."""
-    from .._tree import tree_mask
-
-    return tree_mask(np.asarray(parents, np.int32))
 
 
 def _quiet_transformers() -> None:
