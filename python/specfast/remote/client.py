@@ -28,7 +28,7 @@ import numpy as np
 from .. import _api
 from ..drafters import Draft, Drafter, NgramDrafter
 from . import drafter_pb2 as pb
-from .server import MAX_MESSAGE, VERSION
+from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, VERSION
 
 PAYLOADS = {"tokens": pb.TOKENS, "topk": pb.TOP_K, "dense": pb.DENSE}
 
@@ -102,9 +102,9 @@ class _Stream:
             return None
         return self._check(msg)
 
-    def receive(self, timeout=None):
+    def receive(self):
         try:
-            msg = self._in.get(timeout=self.timeout if timeout is None else timeout)
+            msg = self._in.get(timeout=self.timeout)
         except queue.Empty:
             raise TimeoutError(f"no answer from the drafter within {self.timeout} s") from None
         return self._check(msg)
@@ -168,10 +168,10 @@ class RemoteDrafter(Drafter):
 
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {sorted(PAYLOADS)}, got {payload!r}")
-        if payload == "topk" and not 1 <= top_k <= 1024:
-            raise ValueError("top_k must be in [1, 1024]")
-        if not 0 <= lookahead <= 1024:
-            raise ValueError("lookahead must be in [0, 1024]")
+        if payload == "topk" and not 1 <= top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [1, {MAX_TOP_K}]")
+        if not 0 <= lookahead <= MAX_DRAFT:
+            raise ValueError(f"lookahead must be in [0, {MAX_DRAFT}]")
         self.address, self.payload, self.top_k = address, payload, top_k
         self.lookahead = lookahead
         self.vocab_size, self.timeout, self.retry = int(vocab_size), timeout, retry
@@ -188,17 +188,22 @@ class RemoteDrafter(Drafter):
         self._channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(tls), opts)
                          if tls is not None else grpc.insecure_channel(address, opts))
         self._stub = pb_grpc.DrafterStub(self._channel)
-        self._grpc = grpc
         self.stats = TransferStats()
         self.remote_name = None
         self._stream = None
         self._next_try = 0.0
         self._contexts: list = []
         self._sampling: list = []
-        self._sent: list = []  # tokens of each context the remote side holds
-        self._keep = None
-        self._select = None
+        self._new_session()
+
+    def _new_session(self, sent=()):
+        """The state of one session: ``sent``, the tokens of each context the
+        drafter holds."""
+        self._sent = list(sent)
+        self._keep = self._select = None  # news for the next step
         self._step = 0
+        self._ahead = None  # the latest look-ahead
+        self._last = []  # the chains drafted last step, per request
 
     # -- the Drafter interface ------------------------------------------------
     def start(self, contexts, sampling):
@@ -271,11 +276,7 @@ class RemoteDrafter(Drafter):
         self._stream = stream
         self.remote_name = reply.welcome.drafter
         self.stats.sessions += 1
-        self._sent = [len(c) for c in self._contexts]
-        self._keep = self._select = None
-        self._step = 0
-        self._ahead = None
-        self._last = []  # the chains drafted last step, per request
+        self._new_session(len(c) for c in self._contexts)
 
     def _lost(self, why):
         self.stats.failures.append(f"{type(why).__name__}: {why}")

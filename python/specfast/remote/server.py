@@ -20,6 +20,7 @@ from concurrent import futures
 
 import numpy as np
 
+from .. import _api
 from ..drafters import Sampling
 from . import drafter_pb2 as pb
 from . import drafter_pb2_grpc as pb_grpc
@@ -27,6 +28,7 @@ from . import drafter_pb2_grpc as pb_grpc
 VERSION = 1
 MAX_MESSAGE = 64 << 20  # bytes; a dense payload of 16 x 262144 float32 rows fits
 MAX_DRAFT = 1024  # the verifier's limit per request
+MAX_TOP_K = 1024
 MAX_BATCH = 1 << 16
 log = logging.getLogger("specfast.remote")
 
@@ -42,8 +44,6 @@ def _sampling(s) -> Sampling:
 
 def encode_draft(d, payload: int, top_k: int, vocab: int):
     """A Draft message for one :class:`specfast.drafters.Draft`."""
-    from .. import _api
-
     msg = pb.Draft(tokens=d.tokens, match=max(0, int(d.match or 0)))
     if d.parents is not None:
         msg.parents.extend(d.parents)
@@ -63,12 +63,12 @@ def encode_draft(d, payload: int, top_k: int, vocab: int):
         if np.any(vals.sum(axis=1) < 1.0 - 1e-5):  # K ids would misstate q: refuse
             raise ProtocolError(f"this drafter's distributions are not confined to "
                                 f"{top_k} tokens: use the DENSE payload")
-    if ids.shape[1] < top_k:
-        pad = top_k - ids.shape[1]
+    ids, vals = ids[:, :top_k], vals[:, :top_k]
+    pad = top_k - ids.shape[1]
+    if pad:
         ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
         vals = np.pad(vals, ((0, 0), (0, pad)))
-    vals = vals[:, :top_k]
-    msg.ids.extend(np.where((ids[:, :top_k] >= 0) & (vals > 0), ids[:, :top_k], 0).ravel().tolist())
+    msg.ids.extend(np.where((ids >= 0) & (vals > 0), ids, 0).ravel().tolist())
     msg.probs = np.ascontiguousarray(vals, "<f4").tobytes()
     return msg
 
@@ -82,8 +82,8 @@ class _Session:
                                 f"(this drafter speaks version {VERSION})")
         if hello.payload not in (pb.TOKENS, pb.TOP_K, pb.DENSE):
             raise ProtocolError("hello: payload must be TOKENS, TOP_K or DENSE")
-        if hello.payload == pb.TOP_K and not 1 <= hello.top_k <= 1024:
-            raise ProtocolError("hello: TOP_K payload needs 1 <= top_k <= 1024")
+        if hello.payload == pb.TOP_K and not 1 <= hello.top_k <= MAX_TOP_K:
+            raise ProtocolError(f"hello: TOP_K payload needs 1 <= top_k <= {MAX_TOP_K}")
         if not 1 <= len(hello.requests) <= MAX_BATCH:
             raise ProtocolError(f"hello: 1 to {MAX_BATCH} requests, got {len(hello.requests)}")
         if not 0 < hello.vocab_size <= 1 << 24:
