@@ -21,11 +21,12 @@ draft-length cost model predicted for the steps it chose.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+
+from results_io import save
 
 
 def main(argv=None) -> int:
@@ -103,12 +104,8 @@ def main(argv=None) -> int:
                 results["cells"].append(cell)
                 print({k: round(v, 3) if isinstance(v, float) else v for k, v in cell.items()},
                       flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "remote.json"), "w") as f:
-        json.dump(results, f, indent=1)
     text = table(results)
-    with open(os.path.join(args.out, "remote.md"), "w") as f:
-        f.write(text)
+    save(args.out, "remote", results, text)
     print(text)
     return 0
 

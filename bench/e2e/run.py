@@ -27,11 +27,12 @@ Every method runs once per round on every workload, interleaved, for
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
+
+from results_io import save
 
 
 def _timed(fn):
@@ -233,11 +234,7 @@ def batch_bar(target, rows, max_new, size=8):
 
 
 def _save(results, out):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(table(results))
+    save(out, "results", results, table(results))
     try:
         plot(results, os.path.join(out, "speedup.png"))
     except ImportError:  # matplotlib is optional

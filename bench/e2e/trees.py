@@ -15,11 +15,12 @@ plain decoding's. Writes ``trees.json`` and ``trees.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
+
+from results_io import save
 
 
 def main(argv=None) -> int:
@@ -85,12 +86,8 @@ def main(argv=None) -> int:
                 "tokens_per_s": len(rs[0]["tokens"]) / secs,
                 "identical_to_plain": all(r["tokens"] == ref for r in rs)}
         results["workloads"].append(out)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "trees.json"), "w") as f:
-        json.dump(results, f, indent=1)
     text = table(results)
-    with open(os.path.join(args.out, "trees.md"), "w") as f:
-        f.write(text)
+    save(args.out, "trees", results, text)
     print(text)
     return 0
 
