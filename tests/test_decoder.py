@@ -204,7 +204,7 @@ def test_draft_length_controller():
 
 def test_draft_length_is_not_pinned_by_noise():
     """A slow outlier at some width must not pin k at 1 when acceptance is high;
-    windowed minima and a fitted line over widths are used, not running means."""
+    windowed minima per width are used, not running means."""
     c = DraftLength(max_k=10)
     c.start(1)
     rng = np.random.default_rng(0)
@@ -214,6 +214,23 @@ def test_draft_length_is_not_pinned_by_noise():
             c.observe_target(w, 0.02 * (1 + 0.03 * (w - 1)) * noise)
         c.observe(0, 10, 10 if step % 3 else 4)  # bursty: long accepted runs
     assert c.choose(0, 100) == 10
+
+
+def test_forward_cost_follows_measured_widths():
+    """On CPUs a one-token forward is a matrix-vector product and each further
+    token costs less than the one before: the cost curve goes through the
+    measured widths (made monotone), not a line that prices a plain step at
+    the mean of wide ones."""
+    c = DraftLength(max_k=40)
+    measured = {1: 44, 2: 51, 4: 73, 8: 95, 12: 130, 13: 100, 16: 117, 32: 151}  # ms
+    for w, ms in measured.items():
+        c.observe_target(w, ms / 1000)
+    costs = [c.step_seconds(k) for k in range(41)]
+    assert costs == sorted(costs)
+    assert costs[0] == pytest.approx(0.044) and costs[7] == pytest.approx(0.095)
+    assert costs[11] == costs[12] == pytest.approx(0.115)  # 130 and 100 pooled
+    assert costs[5] == pytest.approx((0.073 + 0.095) / 2)  # width 6: between 4 and 8
+    assert costs[40] > costs[31]  # past the widest measured width it keeps rising
 
 
 def test_draft_length_buckets_by_match():

@@ -163,8 +163,9 @@ class DraftLength:
     bets), starting from a prior.
 
     Costs are measured, and robustly: the target forward of width w (the
-    minimum over a window of recent steps per width, then a line fitted over
-    widths, weighted by samples, so a lucky or unlucky step cannot pin k), the
+    minimum over a window of recent steps per width, the widths joined by a
+    monotone piecewise-linear curve, extended past the widest by a line fitted
+    over all, weighted by samples, so a lucky or unlucky step cannot pin k), the
     drafter's time fitted the same way against the draft length (a fixed part,
     such as a remote drafter's round trip, and a part per token; not counted
     for ``cheap`` drafters, whose draft is proposed whatever k is) and the
@@ -245,17 +246,35 @@ class DraftLength:
         slope = max(float(slope), 0.0)
         return max(float(np.average(ys - slope * xs, weights=ws)), 0.0), slope
 
-    def _target_line(self, stat=min):
-        """(intercept, slope) of the target forward against its width."""
-        if not any(self._times.values()):
-            return 1.0, self.prior_slope  # relative units until measured
-        icpt, slope = self._fit_line(
-            self._times, lambda w, t: (t - self.prior_slope * t * w, self.prior_slope * t), stat)
-        return max(icpt, 1e-9), slope
+    def _forward_costs(self, stat=min) -> np.ndarray:
+        """Seconds of a target forward of each width 0 .. max_k + 1 (index =
+        width). Measured widths are joined by straight lines, made monotone
+        (pooling adjacent widths that disagree, weighted by samples): the
+        cost is far from linear on CPUs, where one token is a matrix-vector
+        product and each further token costs less than the one before. Past
+        the widest measured width the last segment's slope carries on: longer
+        drafts look no dearer per token than the widest tried, so they get
+        tried, and then measured."""
+        grid = np.arange(self.max_k + 2, dtype=float)
+        pts = sorted((w, stat(t), len(t)) for w, t in self._times.items() if t)
+        if not pts:
+            return 1.0 + self.prior_slope * (grid - 1)  # relative units until measured
+        ws = np.array([p[0] for p in pts], float)
+        ys = _monotone([p[1] for p in pts], [p[2] for p in pts])
+        if len(pts) == 1:
+            slope = self.prior_slope * ys[0]
+        else:
+            slope = (ys[-1] - ys[-2]) / (ws[-1] - ws[-2])
+        cost = np.interp(grid, ws, ys)
+        past = grid > ws[-1]
+        cost[past] = ys[-1] + slope * (grid[past] - ws[-1])
+        before = grid < ws[0]
+        cost[before] = np.maximum(ys[0] - slope * (ws[0] - grid[before]), 1e-9)
+        return cost
 
     def _fit(self):
         if self._line is None:
-            self._line = self._target_line()
+            self._line = self._forward_costs()
         return self._line
 
     def _drafting(self, k: int) -> float:
@@ -280,9 +299,9 @@ class DraftLength:
         ``typical``: from mean times (what a run will see), not the fastest
         (what k is chosen from, robust to load)."""
         stat = _mean if typical else min
-        icpt, slope = self._target_line(_mean) if typical else self._fit()
+        costs = self._forward_costs(_mean) if typical else self._fit()
         fixed = stat(self._fixed) if self._fixed else 0.0
-        return max(icpt + slope * (k + 1), 1e-9) + self._drafting(k) + fixed
+        return float(costs[min(k + 1, len(costs) - 1)]) + self._drafting(k) + fixed
 
     def expected_rate(self, p0: float, q: float, k: int) -> float:
         """Tokens per second when drafting k with acceptance (p0, q)."""
@@ -352,6 +371,21 @@ class DraftLength:
 
     def observe_fixed(self, seconds: float) -> None:
         self._fixed.append(seconds)
+
+
+def _monotone(ys, weights) -> np.ndarray:
+    """The non-decreasing sequence nearest ``ys`` in weighted least squares
+    (pool adjacent violators)."""
+    blocks = []  # [mean, weight, count]
+    for y, w in zip(ys, weights):
+        blocks.append([float(y), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            y2, w2, n2 = blocks.pop()
+            b = blocks[-1]
+            b[0] = (b[0] * b[1] + y2 * w2) / (b[1] + w2)
+            b[1] += w2
+            b[2] += n2
+    return np.repeat([b[0] for b in blocks], [b[2] for b in blocks])
 
 
 def _mean(times) -> float:
