@@ -134,22 +134,18 @@ SF_INLINE vf vresid(vf b, float scale, vf q) {
  * split into two exact 20-bit halves that int32 lanes convert and add. Either
  * way the total is the same integer. */
 #if defined(__AVX512DQ__) && SF_W == 16
-typedef float vf8 __attribute__((vector_size(32)));
-typedef uint64_t vq8 __attribute__((vector_size(64)));
-typedef struct { vq8 a, b; } vmass;
-SF_INLINE vmass vmass_zero(void) { return (vmass){{0}, {0}}; }
+#include <immintrin.h>
+/* Intrinsics, not vector extensions: GCC splits a converted half into four
+ * 128-bit conversions, which made this the costliest step of a mass pass. */
+typedef struct { __m512i a, b; } vmass;
+SF_INLINE vmass vmass_zero(void) { return (vmass){_mm512_setzero_si512(), _mm512_setzero_si512()}; }
 SF_INLINE void vmass_add(vmass *m, vf r) {
-    vf s = r * 1099511627776.0f;
-    m->a += __builtin_convertvector(
-        __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7), vq8);
-    m->b += __builtin_convertvector(
-        __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15), vq8);
+    __m512 s = (__m512)(r * 1099511627776.0f);
+    m->a = _mm512_add_epi64(m->a, _mm512_cvttps_epu64(_mm512_castps512_ps256(s)));
+    m->b = _mm512_add_epi64(m->b, _mm512_cvttps_epu64(_mm512_extractf32x8_ps(s, 1)));
 }
 SF_INLINE uint64_t vmass_total(vmass m) {
-    vq8 t = m.a + m.b;
-    uint64_t r = 0;
-    for (int j = 0; j < 8; j++) r += t[j];
-    return r;
+    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(m.a, m.b));
 }
 #else
 typedef struct { vi hi, lo; } vmass;
