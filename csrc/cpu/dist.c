@@ -238,24 +238,40 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     d->n_over = 0;
     d->resid_next = 0;
     d->total = 0;
-    if (need_mass) {
-        size_t nb = (size_t)((vocab + SF_BLOCK - 1) / SF_BLOCK);
-        d->blocks = sf_scratch_get(s, SF_SLOT_BLOCKS, nb * 8);
-        if (!d->blocks) return SF_ERR_NO_MEMORY;
-        /* With residual buffers (dense drafts), keep each token's e: the
-         * residual passes then read it instead of recomputing the exp. */
-        float *keep_e = d->resid[0];
-        sf_weights_out o;
-        r->next = next;
-        weights_all(k, r, &d->in, d->blocks, keep_e, &o);
-        r->next = NULL;
-        d->total = o.total;
-        if (keep_e) {
-            d->in.base = keep_e;
-            d->resid_next = 1;
-        }
+    return need_mass ? sf_dist_mass(d, k, s, next) : SF_OK;
+}
+
+sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const void *next) {
+    sf_row *r = &d->row;
+    size_t nb = (size_t)((r->vocab + SF_BLOCK - 1) / SF_BLOCK);
+    d->blocks = sf_scratch_get(s, SF_SLOT_BLOCKS, nb * 8);
+    if (!d->blocks) return SF_ERR_NO_MEMORY;
+    /* With residual buffers (dense drafts), keep each token's e: the
+     * residual passes then read it instead of recomputing the exp. */
+    float *keep_e = d->resid[0];
+    sf_weights_out o;
+    r->next = next;
+    weights_all(k, r, &d->in, d->blocks, keep_e, &o);
+    r->next = NULL;
+    d->total = o.total;
+    if (keep_e) {
+        d->in.base = keep_e;
+        d->resid_next = 1;
     }
     return SF_OK;
+}
+
+int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
+                          const void *next) {
+    const double one = 1099511627776.0; /* 2^40: the weight of the row's max */
+    uint64_t w = sf_weight_at(&d->row, &d->in, x);
+    /* The total is at least one: no bound can accept then. */
+    if (!(uq * one < (double)w)) return 0;
+    sf_row r = d->row;
+    r.next = next;
+    /* The margin covers the float sums and exp2's error many times over. */
+    double up = k->mass_bound(&r) * 1.001 * one + 1.0;
+    return uq * up < (double)w;
 }
 
 static uint64_t weight(const sf_dist *d, int64_t v) {

@@ -42,6 +42,16 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
                           const sf_rowparams *p, int need_mass, const void *next);
 
+/* Forms the weights, total and block sums of a prepared row (what
+ * sf_dist_prepare's need_mass does). */
+sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const void *next);
+
+/* 1 when u q(x) < p(x) holds for sure from a bound on the row's mass, before
+ * (and instead of) forming it: uq * bound < w(x) implies uq < w(x) / total.
+ * 0 says nothing. The row is prepared, its mass not formed, nothing rejected. */
+int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
+                          const void *next);
+
 /* Greedy token of a row (the first largest logit), or an error status. */
 sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
                         int64_t vocab, int32_t *token);

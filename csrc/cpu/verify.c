@@ -91,8 +91,11 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch])
                 if (tok[ch] == emit) { accepted = ch; break; }
         } else {
-            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1, next_row);
+            /* The mass is formed only when needed: most accepted first
+             * children are accepted from a bound on it. */
+            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, NULL);
             if (st != SF_OK) return st;
+            int have_mass = 0;
             uint32_t j = 0;
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch], j++) {
                 const int64_t node = node0 + ch;
@@ -100,6 +103,15 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 float qx = draft_prob(dr, node, x, vocab);
                 if (!(qx >= 0.0f && qx <= 1.001f)) return SF_ERR_DRAFT_PROBS;
                 double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
+                if (!have_mass) {
+                    if (qx > 0.0f && sf_dist_bound_accepts(&d, c->k, u * (double)qx, x, next_row)) {
+                        accepted = ch;
+                        break;
+                    }
+                    st = sf_dist_mass(&d, c->k, s, next_row);
+                    if (st != SF_OK) return st;
+                    have_mass = 1;
+                }
                 if (qx > 0.0f && u * (double)qx < sf_dist_prob(&d, x)) {
                     accepted = ch;
                     break;
@@ -117,7 +129,13 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                     sf_dist_reject_sparse(&d, &x, &one, 1);
                 }
             }
-            if (accepted < 0) emit = sf_dist_draw(&d, c->k, p.seed, pos);
+            if (accepted < 0) {
+                if (!have_mass) { /* a leaf: the bonus token */
+                    st = sf_dist_mass(&d, c->k, s, NULL);
+                    if (st != SF_OK) return st;
+                }
+                emit = sf_dist_draw(&d, c->k, p.seed, pos);
+            }
         }
         if (accepted < 0) {
             out_tok[depth] = emit;
