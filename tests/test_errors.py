@@ -87,6 +87,24 @@ def test_verify_bad_logit_values(value, row):
     raises(lambda: sf.verify(**kw, method="coupled"), pattern)
 
 
+@pytest.mark.parametrize("at", [0, 24_000, 39_999], ids=lambda a: f"at={a}")
+@pytest.mark.parametrize("value", list(BAD_VALUES) + ["all -inf"])
+def test_lone_request_split_row_bad_values(value, at):
+    """A lone request's wide rows are read by several threads, each a part:
+    a bad value in any part is still an error."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 40_000)).astype(np.float32)
+    if value == "all -inf":
+        logits[1] = -np.inf
+        pattern = r"inf|mask|all|finite|logit"
+    else:
+        logits[1, at], pattern = BAD_VALUES[value]
+    logits[0, 3] = 60.0  # p = 1: the first draft is accepted, so row 1 is reached
+    tokens = np.array([3, 5], np.int32)
+    raises(lambda: sf.verify(logits, tokens, np.array([2]), temperature=0.0), pattern)
+    raises(lambda: sf.verify(logits, tokens, np.array([2]), top_k=50), pattern)
+
+
 @pytest.mark.parametrize("value", list(BAD_VALUES), ids=list(BAD_VALUES))
 @pytest.mark.parametrize("fn", ["sample", "probs"])
 def test_rows_bad_logit_values(fn, value):

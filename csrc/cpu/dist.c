@@ -67,6 +67,72 @@ static void weights_all(const sf_kernels *k, const sf_row *r, const sf_weights_i
     k->weights(r, in, blocks, resid, out);
 }
 
+/* The max pass and the mass bound of a lone request's row, split the same
+ * way: each part reads its own range of tokens. */
+typedef struct range_ctx {
+    const sf_kernels *k;
+    const sf_row *row; /* data, dtype, vocab; the row's max for the bound */
+    int64_t per;
+    int bound;         /* 0: max pass, 1: mass bound */
+    float max[SF_MAX_SPLIT];
+    int bad[SF_MAX_SPLIT];
+    double mass[SF_MAX_SPLIT];
+} range_ctx;
+
+static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
+    (void)s;
+    range_ctx *c = arg;
+    const sf_row *r = c->row;
+    const int64_t lo = part * c->per;
+    const int64_t n = lo >= r->vocab ? 0 : (r->vocab - lo < c->per ? r->vocab - lo : c->per);
+    c->max[part] = -INFINITY;
+    c->bad[part] = 0;
+    c->mass[part] = 0.0;
+    if (n == 0) return SF_OK;
+    const size_t off = (size_t)lo * sf_dtype_size(r->dtype);
+    sf_row sub = *r;
+    sub.data = (const char *)r->data + off;
+    sub.next = r->next ? (const char *)r->next + off : NULL;
+    sub.vocab = n;
+    if (c->bound)
+        c->mass[part] = c->k->mass_bound(&sub);
+    else
+        c->max[part] = c->k->row_max(sub.data, sub.dtype, n, &c->bad[part]);
+    return SF_OK;
+}
+
+/* Splits the pass when a lone request leaves the pool idle; 0 when not. */
+static int range_split(range_ctx *c) {
+    int parts = sf_parallel_width();
+    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
+    if (parts < 2 || c->row->vocab < SF_SPLIT_VOCAB) return 0;
+    /* Whole SIMD-friendly chunks per part. */
+    c->per = ((c->row->vocab + parts - 1) / parts + 63) & ~(int64_t)63;
+    return sf_parallel_split(parts, range_part, c);
+}
+
+static float row_max_all(const sf_kernels *k, const void *data, sf_dtype dtype,
+                         int64_t vocab, int *bad) {
+    sf_row r = {.data = data, .dtype = dtype, .vocab = vocab};
+    range_ctx c = {.k = k, .row = &r};
+    if (!range_split(&c)) return k->row_max(data, dtype, vocab, bad);
+    float m = -INFINITY;
+    for (int i = 0; i < SF_MAX_SPLIT; i++) {
+        if (i * c.per >= vocab) break;
+        if (c.max[i] > m) m = c.max[i];
+        *bad |= c.bad[i];
+    }
+    return m;
+}
+
+static double mass_bound_all(const sf_kernels *k, const sf_row *r) {
+    range_ctx c = {.k = k, .row = r, .bound = 1};
+    if (!range_split(&c)) return k->mass_bound(r);
+    double total = 0.0;
+    for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) total += c.mass[i];
+    return total;
+}
+
 /* Sort key of a candidate: ascending keys are (logit descending, id
  * ascending). -0 counts as +0, as the float comparisons of the cut do. */
 static uint64_t rank_key(float l, int32_t id) {
@@ -183,7 +249,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
                           const sf_rowparams *p, int need_mass, const void *next) {
     int bad = 0;
-    float m = k->row_max(data, dtype, vocab, &bad);
+    float m = row_max_all(k, data, dtype, vocab, &bad);
     if (bad) return SF_ERR_LOGITS;
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     sf_row *r = &d->row;
@@ -270,7 +336,7 @@ int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int3
     sf_row r = d->row;
     r.next = next;
     /* The margin covers the float sums and exp2's error many times over. */
-    double up = k->mass_bound(&r) * 1.001 * one + 1.0;
+    double up = mass_bound_all(k, &r) * 1.001 * one + 1.0;
     return uq * up < (double)w;
 }
 

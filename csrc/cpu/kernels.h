@@ -64,9 +64,10 @@ typedef struct sf_kernels {
      * max(0, b * scale - q) per token (it may alias in->base). */
     void (*weights)(const sf_row *row, const sf_weights_in *in,
                     uint64_t *blocks, float *resid, sf_weights_out *out);
-    /* An upper bound on the sum of e over the tokens at or above the cut
-     * (min_e not applied): at least the exact total weight / 2^40, at most
-     * about 6% above it. Prefetches row->next as a weights pass does. */
+    /* An upper bound on the sum of e over the tokens with a logit at or
+     * above cut_logit (min_e not applied): at least the exact total weight /
+     * 2^40, about 6% above it at most. Prefetches row->next as a weights pass
+     * does. */
     double (*mass_bound)(const sf_row *row);
     /* Gumbel-max over the kept tokens: argmax of (l - max) * inv_t + G(v),
      * G from Philox at (seed, position, NOISE, v / 4); lowest id on ties. */

@@ -207,7 +207,9 @@ static double mass_bound(const sf_row *r) {
             vf y = (x - r->max) * r->c;
             y = vsel(y > -126.0f, y, vf_set(-126.0f)); /* and -inf */
             vf e = (vf)(__builtin_convertvector(y * 8388608.0f, vi) + 0x3F800000);
-            if (cut) e = vsel(above_cut(r, x, i), e, vf_set(0.0f));
+            /* Ties at the cut all count (the bound then needs no token ids,
+             * so a part of a row can be bounded on its own). */
+            if (cut) e = vsel(x >= r->cut_logit, e, vf_set(0.0f));
             acc += e;
         }
         for (int j = 0; j < SF_W; j++) total += (double)acc[j];

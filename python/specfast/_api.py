@@ -240,43 +240,56 @@ def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
                                 floats + 2, 1, seeds, 1, ints + 2, 1))
         keep += [floats, ints, seeds, p]
         return p
-    p = ffi.new("sf_params *")
-    keep.append(p)
     values = {"temperature": temperature, "top_p": top_p, "min_p": min_p,
               "top_k": top_k, "seed": seed, "position": position}
     floats = ffi.new("float[3]")
     ints = ffi.new("int64_t[3]")  # top_k (as int32), seed, position
     keep += [floats, ints]
+    fields = {}
     for i, name in enumerate(_FLOATS):
-        v = _scalar(values[name], name, False)
+        v = values[name]
+        if _exact_array(v, _F32, batch):
+            fields[name] = (_ptr("float *", v), v.shape[0])
+            keep.append(v)
+            continue
+        v = _scalar(v, name, False)
         if v is None:
-            ptr, count = _array_param(values[name], name, batch, keep)
+            fields[name] = _array_param(values[name], name, batch, keep)
         else:
             floats[i] = v
-            ptr, count = floats + i, 1
-        setattr(p, name, ptr)
-        setattr(p, "n_" + name, count)
-    for name, lo, hi in (("top_k", 0, 1 << 31), ("seed", 0, 1 << 64),
-                         ("position", -(1 << 63), 1 << 63)):
-        v = _scalar(values[name], name, True)
+            fields[name] = (floats + i, 1)
+    for i, (name, lo, hi, dtype) in enumerate((("top_k", 0, 1 << 31, _I32),
+                                               ("seed", 0, 1 << 64, _U64),
+                                               ("position", -(1 << 63), 1 << 63, _I64))):
+        v = values[name]
+        # Arrays of the C type need no conversion; only top_k has values to check.
+        if _exact_array(v, dtype, batch) and (name != "top_k" or v.min() >= 0):
+            fields[name] = (_ptr(_CTYPES[name][0] + " *", v), v.shape[0])
+            keep.append(v)
+            continue
+        v = _scalar(v, name, True)
         if v is None:
-            ptr, count = _array_param(values[name], name, batch, keep)
-        else:
-            if not lo <= v < hi:
-                raise ValueError(f"{name}={v} is out of range [{lo}, {hi})")
-            if name == "top_k":
-                ptr = ffi.cast("int32_t *", ints)
-                ptr[0] = v
-            elif name == "seed":
-                ptr = ffi.cast("uint64_t *", ints + 1)
-                ptr[0] = v
-            else:
-                ptr = ints + 2
-                ptr[0] = v
-            count = 1
-        setattr(p, name, ptr)
-        setattr(p, "n_" + name, count)
+            fields[name] = _array_param(values[name], name, batch, keep)
+            continue
+        if not lo <= v < hi:
+            raise ValueError(f"{name}={v} is out of range [{lo}, {hi})")
+        ptr = ffi.cast(_CTYPES[name][0] + " *", ints + i)
+        ptr[0] = v
+        fields[name] = (ptr, 1)
+    p = ffi.new(_T_PARAMS, tuple(x for name in _PARAM_ORDER for x in fields[name]))
+    keep.append(p)
     return p
+
+
+_PARAM_ORDER = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
+_F32, _U64, _I64 = np.dtype(np.float32), np.dtype(np.uint64), np.dtype(np.int64)
+
+
+def _exact_array(v, dtype, batch) -> bool:
+    """A numpy array the C core can read as is: 1-D, contiguous, of the C
+    type, with one value or one per request."""
+    return (type(v) is np.ndarray and v.dtype == dtype and v.ndim == 1
+            and v.shape[0] in (1, batch) and v.flags.c_contiguous)
 
 
 def _method(method):
