@@ -221,9 +221,6 @@ def _array_param(value, name, batch, keep):
     return _ptr(f"{ctype} *", a), a.shape[0]
 
 
-_FLOATS = ("temperature", "top_p", "min_p")
-
-
 _PLAIN = (int, float)
 
 
@@ -240,49 +237,23 @@ def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
                                 floats + 2, 1, seeds, 1, ints + 2, 1))
         keep += [floats, ints, seeds, p]
         return p
-    values = {"temperature": temperature, "top_p": top_p, "min_p": min_p,
-              "top_k": top_k, "seed": seed, "position": position}
-    floats = ffi.new("float[3]")
-    ints = ffi.new("int64_t[3]")  # top_k (as int32), seed, position
+    floats = ffi.new(_T_F3)
+    ints = ffi.new(_T_I3)  # top_k (as int32), seed, position
     keep += [floats, ints]
-    fields = {}
-    for i, name in enumerate(_FLOATS):
-        v = values[name]
-        if _exact_array(v, _F32, batch):
-            fields[name] = (_ptr("float *", v), v.shape[0])
-            keep.append(v)
-            continue
-        v = _scalar(v, name, False)
-        if v is None:
-            fields[name] = _array_param(values[name], name, batch, keep)
-        else:
-            floats[i] = v
-            fields[name] = (floats + i, 1)
-    for i, (name, lo, hi, dtype) in enumerate((("top_k", 0, 1 << 31, _I32),
-                                               ("seed", 0, 1 << 64, _U64),
-                                               ("position", -(1 << 63), 1 << 63, _I64))):
-        v = values[name]
-        # Arrays of the C type need no conversion; only top_k has values to check.
-        if _exact_array(v, dtype, batch) and (name != "top_k" or v.min() >= 0):
-            fields[name] = (_ptr(_CTYPES[name][0] + " *", v), v.shape[0])
-            keep.append(v)
-            continue
-        v = _scalar(v, name, True)
-        if v is None:
-            fields[name] = _array_param(values[name], name, batch, keep)
-            continue
-        if not lo <= v < hi:
-            raise ValueError(f"{name}={v} is out of range [{lo}, {hi})")
-        ptr = ffi.cast(_CTYPES[name][0] + " *", ints + i)
-        ptr[0] = v
-        fields[name] = (ptr, 1)
-    p = ffi.new(_T_PARAMS, tuple(x for name in _PARAM_ORDER for x in fields[name]))
+    t = _float_param(temperature, "temperature", floats, 0, batch, keep)
+    tp = _float_param(top_p, "top_p", floats, 1, batch, keep)
+    mp = _float_param(min_p, "min_p", floats, 2, batch, keep)
+    k = _int_param(top_k, "top_k", ffi.cast(_T_I32P, ints), batch, keep)
+    sd = _int_param(seed, "seed", ffi.cast(_T_U64P, ints + 1), batch, keep)
+    ps = _int_param(position, "position", ints + 2, batch, keep)
+    p = ffi.new(_T_PARAMS, t + k + tp + mp + sd + ps)
     keep.append(p)
     return p
 
 
-_PARAM_ORDER = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
-_F32, _U64, _I64 = np.dtype(np.float32), np.dtype(np.uint64), np.dtype(np.int64)
+_F32_DT, _U64_DT, _I64_DT = np.dtype(np.float32), np.dtype(np.uint64), np.dtype(np.int64)
+_INT_PARAMS = {"top_k": (_I32, 0, 1 << 31), "seed": (_U64_DT, 0, 1 << 64),
+               "position": (_I64_DT, -(1 << 63), 1 << 63)}
 
 
 def _exact_array(v, dtype, batch) -> bool:
@@ -290,6 +261,36 @@ def _exact_array(v, dtype, batch) -> bool:
     type, with one value or one per request."""
     return (type(v) is np.ndarray and v.dtype == dtype and v.ndim == 1
             and v.shape[0] in (1, batch) and v.flags.c_contiguous)
+
+
+def _float_param(v, name, buf, i, batch, keep):
+    """(pointer, count) of a float parameter: a number goes into buf[i]."""
+    if type(v) in _PLAIN:
+        buf[i] = v
+        return buf + i, 1
+    if _exact_array(v, _F32_DT, batch):
+        keep.append(v)
+        return _ptr("float *", v), v.shape[0]
+    x = _scalar(v, name, False)
+    if x is None:
+        return _array_param(v, name, batch, keep)
+    buf[i] = x
+    return buf + i, 1
+
+
+def _int_param(v, name, slot, batch, keep):
+    """(pointer, count) of an integer parameter: a number goes into *slot."""
+    dtype, lo, hi = _INT_PARAMS[name]
+    if _exact_array(v, dtype, batch) and (name != "top_k" or v.min() >= 0):
+        keep.append(v)
+        return _ptr(_CTYPES[name][0] + " *", v), v.shape[0]
+    x = _scalar(v, name, True)
+    if x is None:
+        return _array_param(v, name, batch, keep)
+    if not lo <= x < hi:
+        raise ValueError(f"{name}={x} is out of range [{lo}, {hi})")
+    slot[0] = x
+    return slot, 1
 
 
 def _method(method):
@@ -304,8 +305,8 @@ _ARRAY_TYPES = {}
 _T_DRAFT, _T_OUT, _T_ERR, _T_LOGITS, _T_PARAMS = (
     ffi.typeof(t) for t in ("sf_draft *", "sf_verify_out *", "sf_error *", "sf_logits *",
                             "sf_params *"))
-_T_F3, _T_I3, _T_U1, _T_I32P = (ffi.typeof(t) for t in ("float[3]", "int64_t[3]", "uint64_t[1]",
-                                                       "int32_t *"))
+_T_F3, _T_I3, _T_U1, _T_I32P, _T_U64P = (
+    ffi.typeof(t) for t in ("float[3]", "int64_t[3]", "uint64_t[1]", "int32_t *", "uint64_t *"))
 
 
 def _ptr(ctype, a):
