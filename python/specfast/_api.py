@@ -318,14 +318,13 @@ def _ptr(ctype, a):
 
 
 def _c_logits(a, code, stride, keep):
-    c = ffi.new(_T_LOGITS)
     if a.flags.c_contiguous:
         data = ffi.from_buffer(a)
         keep.append(data)
-        c.data = data
     else:  # strided rows
-        c.data = ffi.cast("void *", a.ctypes.data)
-    c.dtype, c.rows, c.vocab, c.row_stride = code, a.shape[0], a.shape[1], stride
+        data = ffi.cast("void *", a.ctypes.data)
+    c = ffi.new(_T_LOGITS, (data, code, a.shape[0], a.shape[1], stride))
+    keep.append(c)
     return c
 
 
@@ -413,9 +412,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     nd = _int_array(num_draft, "num_draft", 1)
     batch, n = nd.shape[0], tokens.shape[0]
     keep = [a, tokens, nd]
-    d = ffi.new(_T_DRAFT)
-    d.tokens, d.n = _ptr("int32_t *", tokens), n
-    d.num_draft, d.batch = _ptr("int32_t *", nd), batch
+    d = ffi.new(_T_DRAFT, (_ptr("int32_t *", tokens), n, _ptr("int32_t *", nd), batch))
     if parents is not None:
         par = _int_array(parents, "parents", 1)
         if par.shape[0] != n:
