@@ -248,15 +248,10 @@ sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
                           const sf_rowparams *p, int need_mass, const void *next) {
-    int bad = 0;
-    float m = row_max_all(k, data, dtype, vocab, &bad);
-    if (bad) return SF_ERR_LOGITS;
-    if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     sf_row *r = &d->row;
     r->data = data;
     r->dtype = dtype;
     r->vocab = vocab;
-    r->max = m;
     r->inv_t = sf_inv_temperature(p->temperature);
     r->c = SF_FMUL(r->inv_t, SF_LOG2E);
     if (!(r->c <= FLT_MAX)) r->c = FLT_MAX;
@@ -265,23 +260,37 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->min_e = 0.0f;
     r->next = NULL;
 
+    int bad = 0;
+    float m;
     int64_t nc = -1; /* sorted top-k candidates, when the reservoir ran */
     uint64_t *keys = NULL;
     if (p->top_k > 0 && p->top_k < vocab && p->top_k <= SF_TOP_K_RESERVOIR) {
+        /* The reservoir's best candidate is the max: one pass for both. */
         int64_t cap = 2 * (int64_t)p->top_k + 1024;
         int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)cap * 4);
         float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)cap * 4);
         keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)cap * 8);
         if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
-        nc = k->topk(r, p->top_k, ids, vals, cap);
+        nc = k->topk(r, p->top_k, ids, vals, cap, &bad);
+        if (bad) return SF_ERR_LOGITS;
+        if (nc == 0) return SF_ERR_ALL_MASKED;
         sort_candidates(ids, vals, nc, keys);
+        m = key_logit(keys[0]);
+        if (m == INFINITY) return SF_ERR_LOGITS;
         if (nc == p->top_k) {
             r->cut_logit = key_logit(keys[nc - 1]);
             r->cut_id = key_id(keys[nc - 1]);
         }
-    } else if (p->top_k > 0 && p->top_k < vocab) {
-        sf_status st = cut_scan(r, k, s, p->temperature, 0.0, p->top_k);
-        if (st != SF_OK) return st;
+        r->max = m;
+    } else {
+        m = row_max_all(k, data, dtype, vocab, &bad);
+        if (bad) return SF_ERR_LOGITS;
+        if (m == -INFINITY) return SF_ERR_ALL_MASKED;
+        r->max = m;
+        if (p->top_k > 0 && p->top_k < vocab) {
+            sf_status st = cut_scan(r, k, s, p->temperature, 0.0, p->top_k);
+            if (st != SF_OK) return st;
+        }
     }
     if (p->top_p < 1.0f) {
         if (nc >= 0) {
@@ -299,6 +308,17 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         }
     }
     r->min_e = p->min_p;
+    /* With the top-k candidates in hand the kept tokens are among them: their
+     * exact total needs no pass over the row. */
+    d->known_total = 0;
+    if (nc >= 0) {
+        const uint64_t last =
+            r->cut_logit > -INFINITY ? rank_key(r->cut_logit, r->cut_id) : UINT64_MAX;
+        for (int64_t i = 0; i < nc && keys[i] <= last; i++) {
+            float e = sf_row_e(r, key_logit(keys[i]));
+            if (e >= r->min_e) d->known_total += sf_fixed(e);
+        }
+    }
 
     d->in = (sf_weights_in){NULL, 1.0f, NULL, 0, 0};
     d->n_over = 0;
@@ -331,6 +351,8 @@ int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int3
                           const void *next) {
     const double one = 1099511627776.0; /* 2^40: the weight of the row's max */
     uint64_t w = sf_weight_at(&d->row, &d->in, x);
+    if (d->known_total) /* the exact test, as sf_dist_prob makes it */
+        return uq < (double)w / (double)d->known_total;
     /* The total is at least one: no bound can accept then. */
     if (!(uq * one < (double)w)) return 0;
     sf_row r = d->row;

@@ -18,6 +18,7 @@ typedef struct sf_dist {
     sf_row row;
     sf_weights_in in;  /* where w(v) comes from */
     uint64_t total;
+    uint64_t known_total; /* the total before the mass is formed, or 0 */
     uint64_t *blocks;  /* per-SF_BLOCK sums of w, in scratch */
     float *resid[2];   /* residual buffers, in scratch */
     int resid_next;    /* which buffer the next dense rejection writes */
@@ -46,9 +47,10 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
  * sf_dist_prepare's need_mass does). */
 sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const void *next);
 
-/* 1 when u q(x) < p(x) holds for sure from a bound on the row's mass, before
- * (and instead of) forming it: uq * bound < w(x) implies uq < w(x) / total.
- * 0 says nothing. The row is prepared, its mass not formed, nothing rejected. */
+/* 1 when u q(x) < p(x) holds for sure before (and instead of) forming the
+ * row's mass: from its exact total when the top-k candidates gave it, else
+ * from a bound (uq * bound < w(x) implies uq < w(x) / total). 0 says nothing.
+ * The row is prepared, its mass not formed, nothing rejected. */
 int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
                           const void *next);
 

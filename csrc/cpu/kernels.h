@@ -78,9 +78,11 @@ typedef struct sf_kernels {
                       float *vals, int64_t cap);
     /* The top k tokens by (logit descending, id ascending), unordered, into
      * ids/vals (capacity cap >= 2 k); returns how many (fewer than k only
-     * when the row has fewer finite logits). */
+     * when the row has fewer finite logits). *bad is set when a NaN is met
+     * (a +inf shows as the best candidate), so this pass can be the max pass
+     * too. */
     int64_t (*topk)(const sf_row *row, int64_t k, int32_t *ids, float *vals,
-                    int64_t cap);
+                    int64_t cap, int *bad);
 } sf_kernels;
 
 extern const sf_kernels sf_kernels_scalar;

@@ -339,12 +339,14 @@ static void select_best(int32_t *ids, float *vals, int64_t n, int64_t k) {
 }
 
 static int64_t topk(const sf_row *r, int64_t k, int32_t *ids, float *vals,
-                    int64_t cap) {
+                    int64_t cap, int *bad) {
     const int64_t n = r->vocab;
     int64_t count = 0;
     float thr = -INFINITY; /* a token enters only above the k-th best so far */
+    vi nan = vi_set(0);
     for (int64_t i = 0; i < n; i += SF_W) {
         vf x = load_chunk(r->data, r->dtype, i, n);
+        nan |= x != x;
         vi hit = x > thr;
         if (!vany(hit)) continue;
         for (int j = 0; j < SF_W; j++) {
@@ -362,6 +364,7 @@ static int64_t topk(const sf_row *r, int64_t k, int32_t *ids, float *vals,
         select_best(ids, vals, count, k);
         count = k;
     }
+    *bad = vany(nan);
     return count;
 }
 
