@@ -56,6 +56,21 @@ def hf_generate(target, ids, max_new, **kw):
     return {"tokens": gen, "seconds": dt}
 
 
+def llama_generate(llm, ids, max_new, eos):
+    """llama-cpp-python's own greedy loop (plain, or with the prompt-lookup draft
+    model the Llama object was built with)."""
+    def run():
+        llm.reset()
+        out = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if t == eos or len(out) == max_new:
+                break
+            out.append(t)
+        return out
+    gen, dt = _timed(run)
+    return {"tokens": gen, "seconds": dt}
+
+
 def sf_generate(dec, ids, max_new, **kw):
     g, dt = _timed(lambda: dec.generate(ids, max_new, **kw))
     m = g.metrics
@@ -77,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--assistant", default=None, help="assistant model for HF assisted generation")
     ap.add_argument("--draft-model", default=None, help="draft model for sf_model")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-llama", action="store_true",
+                    help="skip llama.cpp even where llama-cpp-python is installed")
     ap.add_argument("--batch-new", type=int, default=48, help="max_new_tokens of the batch bar")
     ap.add_argument("--coupled-new", type=int, default=48, help="max_new_tokens of the coupled bar")
     ap.add_argument("--skip-bars", action="store_true")
@@ -106,6 +123,26 @@ def main(argv=None) -> int:
     if args.draft_model:
         model_dec = SpeculativeDecoder(target, ModelDrafter(HFModel.from_pretrained(args.draft_model)))
     assistant = HFModel.from_pretrained(args.assistant).model if args.assistant else None
+    llama = None
+    from specfast.adapters import llama_cpp as lcpp
+
+    if not args.skip_llama and lcpp.available() and str(target_path).endswith(".gguf"):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        threads = args.threads or None
+        lt = lcpp.LlamaCppModel(str(target_path), n_threads=threads)
+        llama = {
+            "target": lt,
+            "plain": Llama(model_path=str(target_path), n_ctx=4096, n_threads=threads,
+                           verbose=False),
+            "lookup": Llama(model_path=str(target_path), n_ctx=4096, n_threads=threads,
+                            verbose=False,
+                            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10)),
+            "sf_plain": SpeculativeDecoder(lt, None),
+            "sf_ngram": SpeculativeDecoder(lt, NgramDrafter()),
+        }
+        llama["sf_plain"].generate([1, 2, 3], 4)
 
     results = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
                            "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
@@ -132,6 +169,16 @@ def main(argv=None) -> int:
             if assistant is not None:
                 methods.append(("hf_assisted", lambda ids=ids, n=n: hf_generate(
                     target, ids, n, assistant_model=assistant)))
+        if llama is not None:
+            lids = llama["target"].encode(w["messages"])
+            eos = llama["target"].eos_token_ids[0]
+            methods += [
+                ("llama_plain", lambda i=lids, n=n, e=eos: llama_generate(llama["plain"], i, n, e)),
+                ("llama_lookup_10", lambda i=lids, n=n, e=eos: llama_generate(
+                    llama["lookup"], i, n, e)),
+                ("sf_llama_plain", lambda i=lids, n=n: sf_generate(llama["sf_plain"], i, n)),
+                ("sf_llama_ngram", lambda i=lids, n=n: sf_generate(llama["sf_ngram"], i, n)),
+            ]
         prepared.append((w, ids, n, methods, {name: [] for name, _ in methods}))
     for rnd in range(args.rounds):
         for w, ids, n, methods, all_runs in prepared:
@@ -145,6 +192,9 @@ def main(argv=None) -> int:
              "runs": {}}
         runs = r["runs"]
         ref = all_runs["sf_plain"][0]["tokens"]
+        # llama.cpp runs the GGUF's own quantized weights, HF a float32 copy:
+        # each family is compared with its own plain decoding
+        lref = all_runs["sf_llama_plain"][0]["tokens"] if "sf_llama_plain" in all_runs else None
         for name, rs in all_runs.items():
             secs = sorted(x["seconds"] for x in rs)
             run = dict(rs[0])
@@ -157,8 +207,9 @@ def main(argv=None) -> int:
             run["n_tokens"] = len(run["tokens"])
             run["tokens_per_s"] = len(run["tokens"]) / run["seconds"]
             run["tokens_per_s_best"] = len(run["tokens"]) / secs[0]
-            run["identical_to_sf_plain"] = all(x["tokens"] == ref for x in rs)
-            run["first_diff"] = next((i for i, (a, b) in enumerate(zip(run["tokens"], ref))
+            base = lref if name.startswith(("llama", "sf_llama")) else ref
+            run["identical_to_sf_plain"] = all(x["tokens"] == base for x in rs)
+            run["first_diff"] = next((i for i, (a, b) in enumerate(zip(run["tokens"], base))
                                       if a != b), None)
             if "k_chosen" in run:
                 run["k_chosen"] = {int(k): v for k, v in sorted(run["k_chosen"].items())}
@@ -253,7 +304,8 @@ def table(results) -> str:
         runs = w["runs"]
         cells = [f"{runs[n]['tokens_per_s']:.2f}" if n in runs else "" for n in present]
         vs_hf = w.get("sf_ngram_vs_hf_lookup_best")
-        ident = all(r["identical_to_sf_plain"] for k, r in runs.items() if k.startswith("sf_"))
+        ident = all(r["identical_to_sf_plain"] for k, r in runs.items()
+                    if k.startswith("sf_") and not k.startswith("sf_llama"))
         hf_same = runs.get("hf_plain", {}).get("identical_to_sf_plain")
         lines.append(
             f"| {w['name']} | {w['kind']} | {runs['sf_plain']['n_tokens']} | " + " | ".join(cells)
@@ -261,6 +313,7 @@ def table(results) -> str:
             + (f"{vs_hf:.2f}x" if vs_hf else "n/a")
             + f" | {runs['sf_ngram']['acceptance']:.2f} | {runs['sf_ngram']['tokens_per_step']:.2f}"
             + f" | {'yes' if ident else 'NO'}{'' if hf_same is None else (' (hf_plain too)' if hf_same else ' (hf_plain differs)')} |")
+    lines += _llama_table(results)
     m = results["machine"]
     lines.append("")
     lines.append(f"tokens/s (median of {results.get('rounds', 1)} interleaved rounds, prefill "
@@ -271,6 +324,28 @@ def table(results) -> str:
                  f"load average {m['load_avg_start'][0]:.1f} at start"
                  + (f", {m['load_avg_end'][0]:.1f} at end." if 'load_avg_end' in m else "."))
     return "\n".join(lines) + "\n"
+
+
+def _llama_table(results) -> list:
+    """llama.cpp's own loop (plain, prompt lookup 10) beside specfast's loop on the
+    llama.cpp adapter; "same text" compares with specfast's plain llama.cpp run."""
+    names = ["llama_plain", "llama_lookup_10", "sf_llama_plain", "sf_llama_ngram"]
+    rows = [w for w in results["workloads"] if "sf_llama_plain" in w["runs"]]
+    if not rows:
+        return []
+    lines = ["", "| workload | " + " | ".join(names)
+             + " | sf_llama_ngram / sf_llama_plain | vs llama_lookup_10 | same text (first diff) |",
+             "|" + "---|" * (len(names) + 4)]
+    for w in rows:
+        runs = w["runs"]
+        ng = runs["sf_llama_ngram"]
+        diffs = ", ".join(f"{n}: {'yes' if runs[n]['identical_to_sf_plain'] else runs[n]['first_diff']}"
+                          for n in ("llama_plain", "llama_lookup_10", "sf_llama_ngram"))
+        lines.append(f"| {w['name']} | " + " | ".join(f"{runs[n]['tokens_per_s']:.2f}" for n in names)
+                     + f" | {ng['tokens_per_s'] / runs['sf_llama_plain']['tokens_per_s']:.2f}x"
+                     + f" | {ng['tokens_per_s'] / runs['llama_lookup_10']['tokens_per_s']:.2f}x"
+                     + f" | {diffs} |")
+    return lines
 
 
 def plot(results, path):
