@@ -233,6 +233,16 @@ def test_forward_cost_follows_measured_widths():
     assert costs[40] > costs[31]  # past the widest measured width it keeps rising
 
 
+@pytest.mark.parametrize("p0, want", [(0.02, 0), (0.2, 1)])
+def test_draft_length_needs_a_margin_over_plain(p0, want):
+    """A draft whose expected gain is within the margin (3%) is not taken."""
+    c = DraftLength(max_k=1, prior_first=p0, prior_weight=1e6)
+    c.start(1)
+    c.observe_target(1, 0.1)
+    c.observe_target(2, 0.1)  # drafting one token costs nothing: the gain is p0
+    assert c.choose(0, 100) == want
+
+
 def test_draft_length_buckets_by_match():
     """Acceptance is tracked per confidence bucket: short lookups that fail do
     not switch off long ones that pass."""

@@ -182,18 +182,22 @@ class DraftLength:
         Always draft this many (no adaptation).
     max_k : int
         The longest draft considered.
+    margin : float
+        Drafting is chosen only when its expected rate beats plain decoding's
+        by this factor.
     """
 
     def __init__(self, fixed: int | None = None, max_k: int = 10, *, prior_first: float = 0.5,
                  prior_next: float = 0.85, prior_weight: float = 2.0, decay: float = 0.9,
                  window: int = 24, probe_every: int = 4, probe_max: int = 32, probe_k: int = 1,
-                 prior_slope: float = 0.02):
+                 prior_slope: float = 0.02, margin: float = 1.03):
         self.fixed, self.max_k = fixed, max_k
         self.prior_first, self.prior_next = prior_first, prior_next
         self.prior_weight, self.decay = prior_weight, decay
         self.window = window
         self.probe_every, self.probe_max, self.probe_k = probe_every, probe_max, probe_k
         self.prior_slope = prior_slope
+        self.margin = margin
         self.cheap_draft = False
         self._times: dict = {}  # width -> recent forward seconds
         self._unmeasured = 0  # choices made without a measured plain step
@@ -324,7 +328,9 @@ class DraftLength:
             if self._unmeasured % 8 == 0:
                 return 0
         p0, q = self.acceptance(i, match)
-        best_k, best = 0, self.expected_rate(p0, q, 0)
+        # Speculating must beat plain decoding by a margin: acceptance and costs
+        # are estimates, and a bet that only breaks even adds variance, not speed.
+        best_k, best = 0, self.expected_rate(p0, q, 0) * self.margin
         for k in range(1, cap + 1):
             r = self.expected_rate(p0, q, k)
             if r > best:
