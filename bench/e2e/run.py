@@ -137,7 +137,7 @@ def main(argv=None) -> int:
             "plain": Llama(model_path=str(target_path), n_ctx=4096, n_threads=threads,
                            verbose=False),
             "lookup": Llama(model_path=str(target_path), n_ctx=4096, n_threads=threads,
-                            verbose=False,
+                            verbose=False, logits_all=True,  # its draft model needs them
                             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10)),
             "sf_plain": SpeculativeDecoder(lt, None),
             "sf_ngram": SpeculativeDecoder(lt, NgramDrafter()),

@@ -256,19 +256,21 @@ class DraftLength:
         (pooling adjacent widths that disagree, weighted by samples): the
         cost is far from linear on CPUs, where one token is a matrix-vector
         product and each further token costs less than the one before. Past
-        the widest measured width the last segment's slope carries on: longer
-        drafts look no dearer per token than the widest tried, so they get
-        tried, and then measured."""
+        the widest measured width the cost rises by the prior's slope (or the
+        last segment's, if flatter): longer drafts look cheap until tried, and
+        are then measured."""
         grid = np.arange(self.max_k + 2, dtype=float)
         pts = sorted((w, stat(t), len(t)) for w, t in self._times.items() if t)
         if not pts:
             return 1.0 + self.prior_slope * (grid - 1)  # relative units until measured
         ws = np.array([p[0] for p in pts], float)
         ys = _monotone([p[1] for p in pts], [p[2] for p in pts])
-        if len(pts) == 1:
-            slope = self.prior_slope * ys[0]
-        else:
-            slope = (ys[-1] - ys[-2]) / (ws[-1] - ws[-2])
+        # Past the widest measured width, optimism: the prior's slope unless the
+        # last segment is flatter, so that long drafts get tried and measured (a
+        # steep first segment, 1 -> 2 tokens, would otherwise keep k short).
+        slope = self.prior_slope * ys[0]
+        if len(pts) > 1:
+            slope = min(slope, (ys[-1] - ys[-2]) / (ws[-1] - ws[-2]))
         cost = np.interp(grid, ws, ys)
         past = grid > ws[-1]
         cost[past] = ys[-1] + slope * (grid[past] - ws[-1])

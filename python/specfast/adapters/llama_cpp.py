@@ -6,8 +6,9 @@ row), evaluated with the low-level batch API so all rows of a step run in one
 ``llama_decode``; rolling back is ``llama_kv_cache_seq_rm`` past the verified
 prefix. Logits are requested for every appended token.
 
-Status: written against llama-cpp-python 0.3's low-level API and exercised
-only where that package is installed (tests skip otherwise).
+Tested with llama-cpp-python 0.3.36 (``tests/test_llama_cpp.py``, which skips
+where the package is not installed). Its batched forward rounds differently
+from its one-token forward, so greedy text can change under speculation.
 """
 
 from __future__ import annotations
@@ -35,14 +36,27 @@ class LlamaCppModel:
 
     def __init__(self, path: str, *, n_ctx: int = 4096, n_seq_max: int = 8, n_threads=None,
                  chat: bool = True):
+        import weakref
+
         import llama_cpp
 
-        self.llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
-                                   n_threads=n_threads, verbose=False,
-                                   kv_unified=True) if _accepts_kv_unified() else \
-            llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, logits_all=True,
-                            n_threads=n_threads, verbose=False)
+        lc = self.llama_cpp = llama_cpp
+        # The Llama object gives the weights, tokenizer and metadata; its own
+        # context holds one sequence, so the batch runs in a context of ours
+        # with n_seq_max sequences sharing one KV cache.
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_batch=64, n_threads=n_threads,
+                                   verbose=False)
+        params = lc.llama_context_default_params()
+        params.n_ctx = params.n_batch = n_ctx
+        params.n_seq_max = n_seq_max
+        params.kv_unified = True
+        if n_threads:
+            params.n_threads = params.n_threads_batch = n_threads
+        self.ctx = lc.llama_init_from_model(self.llm.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {path}")
+        # the finalizer holds the Llama object, so the weights outlive the context
+        weakref.finalize(self, _free_context, lc, self.ctx, self.llm)
         self.n_seq_max = n_seq_max
         self.chat = chat
         self.name = path.rsplit("/", 1)[-1]
@@ -72,7 +86,7 @@ class LlamaCppModel:
         return int(self.llama_cpp.llama_model_size(self.llm.model))
 
     def kv_bytes_per_token(self) -> int:
-        return int(self.llama_cpp.llama_state_get_size(self.llm.ctx) // max(1, self._n_ctx))
+        return int(self.llama_cpp.llama_state_get_size(self.ctx) // max(1, self._n_ctx))
 
     def kv_bytes(self, state) -> int:
         return self.kv_bytes_per_token() * sum(state.lengths)
@@ -82,11 +96,11 @@ class LlamaCppModel:
         if batch > self.n_seq_max:
             raise ValueError(f"batch {batch} > n_seq_max {self.n_seq_max}")
         lc = self.llama_cpp
-        mem = lc.llama_get_memory(self.llm.ctx) if hasattr(lc, "llama_get_memory") else None
+        mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
         if mem is not None:
             lc.llama_memory_clear(mem, True)
         else:
-            lc.llama_kv_cache_clear(self.llm.ctx)
+            lc.llama_kv_cache_clear(self.ctx)
         return LlamaCppState([0] * batch)
 
     def forward(self, state, tokens, all_logits: bool = True):
@@ -111,11 +125,11 @@ class LlamaCppModel:
                         where.append((b, i))
                     i += 1
             batch.n_tokens = total
-            if lc.llama_decode(self.llm.ctx, batch) != 0:
+            if lc.llama_decode(self.ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
             rows = {b: [] for b in range(len(tokens))}
             for b, i in where:
-                ptr = lc.llama_get_logits_ith(self.llm.ctx, i)
+                ptr = lc.llama_get_logits_ith(self.ctx, i)
                 rows[b].append(np.ctypeslib.as_array(ptr, shape=(self.vocab_size,)).copy())
             for b, r in rows.items():
                 if r:
@@ -127,43 +141,36 @@ class LlamaCppModel:
 
     def truncate(self, state, lengths) -> None:
         lc = self.llama_cpp
-        mem = lc.llama_get_memory(self.llm.ctx) if hasattr(lc, "llama_get_memory") else None
+        mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
         for b, (have, keep) in enumerate(zip(state.lengths, lengths)):
             if keep < have:
                 if mem is not None:
                     lc.llama_memory_seq_rm(mem, b, keep, -1)
                 else:
-                    lc.llama_kv_cache_seq_rm(self.llm.ctx, b, keep, -1)
+                    lc.llama_kv_cache_seq_rm(self.ctx, b, keep, -1)
         state.lengths = [min(a, b) for a, b in zip(state.lengths, lengths)]
 
     def select(self, state, rows) -> None:
         """Keeps these rows: sequence ids are renumbered by moving their cells."""
         lc = self.llama_cpp
-        mem = lc.llama_get_memory(self.llm.ctx) if hasattr(lc, "llama_get_memory") else None
+        mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
         rows = list(rows)
         for b in range(len(state.lengths)):
             if b not in rows:
                 if mem is not None:
                     lc.llama_memory_seq_rm(mem, b, -1, -1)
                 else:
-                    lc.llama_kv_cache_seq_rm(self.llm.ctx, b, -1, -1)
+                    lc.llama_kv_cache_seq_rm(self.ctx, b, -1, -1)
         for new, old in enumerate(rows):
             if new != old:
                 if mem is not None:
                     lc.llama_memory_seq_cp(mem, old, new, -1, -1)
                     lc.llama_memory_seq_rm(mem, old, -1, -1)
                 else:
-                    lc.llama_kv_cache_seq_cp(self.llm.ctx, old, new, -1, -1)
-                    lc.llama_kv_cache_seq_rm(self.llm.ctx, old, -1, -1)
+                    lc.llama_kv_cache_seq_cp(self.ctx, old, new, -1, -1)
+                    lc.llama_kv_cache_seq_rm(self.ctx, old, -1, -1)
         state.lengths = [state.lengths[r] for r in rows]
 
 
-def _accepts_kv_unified() -> bool:
-    import inspect
-
-    import llama_cpp
-
-    try:
-        return "kv_unified" in inspect.signature(llama_cpp.Llama.__init__).parameters
-    except (TypeError, ValueError):
-        return False
+def _free_context(lc, ctx, llm) -> None:
+    lc.llama_free(ctx)
