@@ -117,8 +117,7 @@ static float row_max_all(const sf_kernels *k, const void *data, sf_dtype dtype,
     range_ctx c = {.k = k, .row = &r};
     if (!range_split(&c)) return k->row_max(data, dtype, vocab, bad);
     float m = -INFINITY;
-    for (int i = 0; i < SF_MAX_SPLIT; i++) {
-        if (i * c.per >= vocab) break;
+    for (int i = 0; i < SF_MAX_SPLIT && i * c.per < vocab; i++) {
         if (c.max[i] > m) m = c.max[i];
         *bad |= c.bad[i];
     }

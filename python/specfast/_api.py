@@ -171,12 +171,12 @@ def _torch():
 
 
 _CTYPES = {
-    "temperature": ("float", np.float32),
-    "top_k": ("int32_t", np.int32),
-    "top_p": ("float", np.float32),
-    "min_p": ("float", np.float32),
-    "seed": ("uint64_t", np.uint64),
-    "position": ("int64_t", np.int64),
+    "temperature": ("float", np.dtype(np.float32)),
+    "top_k": ("int32_t", np.dtype(np.int32)),
+    "top_p": ("float", np.dtype(np.float32)),
+    "min_p": ("float", np.dtype(np.float32)),
+    "seed": ("uint64_t", np.dtype(np.uint64)),
+    "position": ("int64_t", np.dtype(np.int64)),
 }
 
 
@@ -251,9 +251,7 @@ def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
     return p
 
 
-_F32_DT, _U64_DT, _I64_DT = np.dtype(np.float32), np.dtype(np.uint64), np.dtype(np.int64)
-_INT_PARAMS = {"top_k": (_I32, 0, 1 << 31), "seed": (_U64_DT, 0, 1 << 64),
-               "position": (_I64_DT, -(1 << 63), 1 << 63)}
+_INT_RANGES = {"top_k": (0, 1 << 31), "seed": (0, 1 << 64), "position": (-(1 << 63), 1 << 63)}
 
 
 def _exact_array(v, dtype, batch) -> bool:
@@ -268,7 +266,7 @@ def _float_param(v, name, buf, i, batch, keep):
     if type(v) in _PLAIN:
         buf[i] = v
         return buf + i, 1
-    if _exact_array(v, _F32_DT, batch):
+    if _exact_array(v, _CTYPES[name][1], batch):
         keep.append(v)
         return _ptr("float *", v), v.shape[0]
     x = _scalar(v, name, False)
@@ -280,13 +278,14 @@ def _float_param(v, name, buf, i, batch, keep):
 
 def _int_param(v, name, slot, batch, keep):
     """(pointer, count) of an integer parameter: a number goes into *slot."""
-    dtype, lo, hi = _INT_PARAMS[name]
+    ctype, dtype = _CTYPES[name]
     if _exact_array(v, dtype, batch) and (name != "top_k" or v.min() >= 0):
         keep.append(v)
-        return _ptr(_CTYPES[name][0] + " *", v), v.shape[0]
+        return _ptr(ctype + " *", v), v.shape[0]
     x = _scalar(v, name, True)
     if x is None:
         return _array_param(v, name, batch, keep)
+    lo, hi = _INT_RANGES[name]
     if not lo <= x < hi:
         raise ValueError(f"{name}={x} is out of range [{lo}, {hi})")
     slot[0] = x

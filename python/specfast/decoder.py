@@ -164,8 +164,8 @@ class DraftLength:
 
     Costs are measured, and robustly: the target forward of width w (the
     minimum over a window of recent steps per width, the widths joined by a
-    monotone piecewise-linear curve, extended past the widest by a line fitted
-    over all, weighted by samples, so a lucky or unlucky step cannot pin k), the
+    monotone piecewise-linear curve pooled by samples, so a lucky or unlucky
+    step cannot pin k, and priced optimistically past the widest tried), the
     drafter's time fitted the same way against the draft length (a fixed part,
     such as a remote drafter's round trip, and a part per token; not counted
     for ``cheap`` drafters, whose draft is proposed whatever k is) and the
@@ -204,7 +204,7 @@ class DraftLength:
         self._draft: dict = {}  # draft length -> recent seconds of proposing
         self._draft_line = None
         self._fixed: deque = deque(maxlen=window)  # verify + other, per step
-        self._line = None
+        self._costs = None  # forward seconds by width, from _times
         self._req: list = []
 
     # -- per request ---------------------------------------------------------
@@ -279,9 +279,9 @@ class DraftLength:
         return cost
 
     def _fit(self):
-        if self._line is None:
-            self._line = self._forward_costs()
-        return self._line
+        if self._costs is None:
+            self._costs = self._forward_costs()
+        return self._costs
 
     def _drafting(self, k: int) -> float:
         """Seconds to draft k tokens: a fixed part (a remote drafter's round trip,
@@ -324,7 +324,7 @@ class DraftLength:
         if self.fixed is not None:
             return min(self.fixed, cap)
         if not self._times.get(1) and self._times:
-            # the cost of a plain step is unmeasured: without it a line through
+            # the cost of a plain step is unmeasured: without it a curve through
             # draft widths alone makes drafting look free, so take one now and then
             self._unmeasured += 1
             if self._unmeasured % 8 == 0:
@@ -366,7 +366,7 @@ class DraftLength:
         if t is None:
             t = self._times[width] = deque(maxlen=self.window)
         t.append(seconds)
-        self._line = None
+        self._costs = None
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         """Proposing drafts of (at most) ``tokens`` took ``seconds``."""

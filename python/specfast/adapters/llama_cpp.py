@@ -1,9 +1,9 @@
 """llama.cpp targets and drafters through llama-cpp-python (optional).
 
 Imported lazily: ``import specfast`` never needs llama-cpp-python. One
-``llama_cpp.Llama`` context holds one sequence per request (sequence id =
-row), evaluated with the low-level batch API so all rows of a step run in one
-``llama_decode``; rolling back is ``llama_kv_cache_seq_rm`` past the verified
+llama.cpp context of the adapter's own holds one sequence per request
+(sequence id = row) in a unified KV cache, evaluated with the low-level batch API so all rows of a step run in one
+``llama_decode``; rolling back is ``llama_memory_seq_rm`` past the verified
 prefix. Logits are requested for every appended token.
 
 Tested with llama-cpp-python 0.3.36 (``tests/test_llama_cpp.py``, which skips
@@ -13,6 +13,7 @@ from its one-token forward, so greedy text can change under speculation.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,8 +37,6 @@ class LlamaCppModel:
 
     def __init__(self, path: str, *, n_ctx: int = 4096, n_seq_max: int = 8, n_threads=None,
                  chat: bool = True):
-        import weakref
-
         import llama_cpp
 
         lc = self.llama_cpp = llama_cpp
@@ -57,6 +56,8 @@ class LlamaCppModel:
             raise RuntimeError(f"llama.cpp could not create a context for {path}")
         # the finalizer holds the Llama object, so the weights outlive the context
         weakref.finalize(self, _free_context, lc, self.ctx, self.llm)
+        # llama.cpp's memory API, or None before it replaced the kv_cache calls
+        self._mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
         self.n_seq_max = n_seq_max
         self.chat = chat
         self.name = path.rsplit("/", 1)[-1]
@@ -95,12 +96,10 @@ class LlamaCppModel:
     def new_state(self, batch: int) -> LlamaCppState:
         if batch > self.n_seq_max:
             raise ValueError(f"batch {batch} > n_seq_max {self.n_seq_max}")
-        lc = self.llama_cpp
-        mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
-        if mem is not None:
-            lc.llama_memory_clear(mem, True)
+        if self._mem is not None:
+            self.llama_cpp.llama_memory_clear(self._mem, True)
         else:
-            lc.llama_kv_cache_clear(self.ctx)
+            self.llama_cpp.llama_kv_cache_clear(self.ctx)
         return LlamaCppState([0] * batch)
 
     def forward(self, state, tokens, all_logits: bool = True):
@@ -139,36 +138,35 @@ class LlamaCppModel:
         state.lengths = [n + len(t) for n, t in zip(state.lengths, tokens)]
         return outs
 
+    def _seq_rm(self, seq: int, start: int) -> None:
+        """Drops sequence seq's cells from position start on (-1: all)."""
+        if self._mem is not None:
+            self.llama_cpp.llama_memory_seq_rm(self._mem, seq, start, -1)
+        else:
+            self.llama_cpp.llama_kv_cache_seq_rm(self.ctx, seq, start, -1)
+
+    def _seq_cp(self, src: int, dst: int) -> None:
+        if self._mem is not None:
+            self.llama_cpp.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        else:
+            self.llama_cpp.llama_kv_cache_seq_cp(self.ctx, src, dst, -1, -1)
+
     def truncate(self, state, lengths) -> None:
-        lc = self.llama_cpp
-        mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
         for b, (have, keep) in enumerate(zip(state.lengths, lengths)):
             if keep < have:
-                if mem is not None:
-                    lc.llama_memory_seq_rm(mem, b, keep, -1)
-                else:
-                    lc.llama_kv_cache_seq_rm(self.ctx, b, keep, -1)
+                self._seq_rm(b, keep)
         state.lengths = [min(a, b) for a, b in zip(state.lengths, lengths)]
 
     def select(self, state, rows) -> None:
         """Keeps these rows: sequence ids are renumbered by moving their cells."""
-        lc = self.llama_cpp
-        mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
         rows = list(rows)
         for b in range(len(state.lengths)):
             if b not in rows:
-                if mem is not None:
-                    lc.llama_memory_seq_rm(mem, b, -1, -1)
-                else:
-                    lc.llama_kv_cache_seq_rm(self.ctx, b, -1, -1)
+                self._seq_rm(b, -1)
         for new, old in enumerate(rows):
             if new != old:
-                if mem is not None:
-                    lc.llama_memory_seq_cp(mem, old, new, -1, -1)
-                    lc.llama_memory_seq_rm(mem, old, -1, -1)
-                else:
-                    lc.llama_kv_cache_seq_cp(self.ctx, old, new, -1, -1)
-                    lc.llama_kv_cache_seq_rm(self.ctx, old, -1, -1)
+                self._seq_cp(old, new)
+                self._seq_rm(old, -1)
         state.lengths = [state.lengths[r] for r in rows]
 
 
