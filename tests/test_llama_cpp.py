@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from specfast import NgramDrafter, SpeculativeDecoder  # noqa: E402
+from specfast import NgramDrafter, SpeculativeDecoder, workloads  # noqa: E402
 from specfast.adapters.llama_cpp import LlamaCppModel  # noqa: E402
 
 
@@ -75,10 +75,10 @@ def test_speculative_decoding_runs_on_llama_cpp(llama):
     are accepted, and the text matches plain decoding up to the first step
     where llama.cpp's batched forward rounds differently (measured and reported
     in the README, not asserted equal)."""
-    text = ("Repeat this list exactly: alpha beta gamma delta epsilon zeta eta theta "
-            "iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi omega.")
-    plain = SpeculativeDecoder(llama, None).generate(text, 48)
-    spec = SpeculativeDecoder(llama, NgramDrafter()).generate(text, 48)
+    # a rewrite that keeps a function's body: SmolLM2 copies much of it
+    prompt = llama.encode(workloads.load(names=["code-rewrite-rgb"])[0]["messages"])
+    plain = SpeculativeDecoder(llama, None).generate(prompt, 64)
+    spec = SpeculativeDecoder(llama, NgramDrafter()).generate(prompt, 64)
     assert spec.metrics.draft_n_accepted > 0
     assert spec.metrics.target_steps < len(spec.tokens)
     same = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b),
