@@ -277,7 +277,7 @@ static void make_params(reader *r, params_buf *pb, int64_t batch, int64_t V) {
         uint8_t c = u8(r);
         float t = TEMPS[(c & 0x80) ? c % 16 : c % 13];
         pb->temperature[i] = t;
-        if (!(t >= 0.0f && t < INFINITY)) pb->valid = 0;
+        if (!(t >= 0.0f && t <= SF_MAX_TEMPERATURE)) pb->valid = 0;
     }
     for (int64_t i = 0; i < cnt[1]; i++) {
         uint8_t c = u8(r);

@@ -216,6 +216,7 @@ def test_inconsistent_shapes(case):
 BAD_PARAMS = {
     "temperature=-1": ("temperature", -1.0),
     "temperature=nan": ("temperature", float("nan")),
+    "temperature=1e31": ("temperature", 1e31),
     "top_p=0": ("top_p", 0.0),
     "top_p=1.5": ("top_p", 1.5),
     "top_p=-0.1": ("top_p", -0.1),

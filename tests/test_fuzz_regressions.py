@@ -74,6 +74,22 @@ def test_temperature_whose_scale_overflows(T):
     assert r.num_accepted[0] == 1 and list(r.tokens[0]) == [1, 1]
 
 
+def test_temperature_above_the_cap():
+    """Found by fuzz_api.c: at temperature 3.4e38 a row holding logits near +-3e38 lost
+    tokens whose logit - max overflowed float to -inf although exp((logit - max) / T) was
+    about 0.2 (probs() was 0.14% off float64 softmax). Up to SF_MAX_TEMPERATURE (1e30)
+    such a token weighs exactly 0, as in float64; above it the call is refused."""
+    x = np.array([[3e38, -3e38, 2e38, 0.0]], np.float32)
+    for T in (1e31, 3.4e38):
+        with pytest.raises(ValueError, match="temperature"):
+            sf.probs(x, temperature=T)
+    T = 1e30
+    z = (x[0].astype(np.float64) - 3e38) / np.float64(np.float32(T))
+    want = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    np.testing.assert_allclose(sf.probs(x, temperature=T)[0], want, rtol=1e-6, atol=1e-30)
+    assert list(sf.sample(x, temperature=T, seed=3)) == [0]
+
+
 # --------------------------------------------------------------------------------------
 # the corpus, replayed through the harness's checks
 # --------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ static inline sf_status sf_params_check(const sf_params *p, int64_t batch,
     for (int64_t b = 0; b < batch; b++) {
         sf_rowparams r;
         sf_params_get(p, b, &r);
-        if (!(r.temperature >= 0.0f && r.temperature < INFINITY) || r.top_k < 0 ||
+        if (!(r.temperature >= 0.0f && r.temperature <= SF_MAX_TEMPERATURE) || r.top_k < 0 ||
             !(r.top_p > 0.0f && r.top_p <= 1.0f) ||
             !(r.min_p >= 0.0f && r.min_p <= 1.0f)) {
             *index = b;

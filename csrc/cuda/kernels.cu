@@ -103,7 +103,7 @@ __device__ sf_cu_params_row sf_cu_get_params(const sf_cuda_params &p, int64_t b)
 
 /* sf_params_check's test of one request. */
 __device__ bool sf_cu_params_ok(sf_cu_params_row &r) {
-    bool ok = r.temperature >= 0.0f && r.temperature < INFINITY && r.top_k >= 0 &&
+    bool ok = r.temperature >= 0.0f && r.temperature <= SF_MAX_TEMPERATURE && r.top_k >= 0 &&
               r.top_p > 0.0f && r.top_p <= 1.0f && r.min_p >= 0.0f && r.min_p <= 1.0f;
     return ok;
 }

@@ -328,7 +328,7 @@ def _c_logits(a, code, stride, keep):
 
 
 _PARAM_RULES = (
-    "temperature must be finite and >= 0, top_k >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1"
+    "0 <= temperature <= 1e30, top_k >= 0, 0 < top_p <= 1 and 0 <= min_p <= 1"
 )
 
 
