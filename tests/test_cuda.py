@@ -25,7 +25,9 @@ except (NotImplementedError, ImportError) as exc:  # pragma: no cover
     pytest.skip(f"CUDA backend not built: {exc}", allow_module_level=True)
 
 DEV = torch.device("cuda")
-VOCABS = [1, 7, 111, 1000, 4099, 32000]
+# 4099: a cluster of 3 blocks per request; 17000: 8 blocks, the last ones with
+# no tokens; 32000 and up: 8 blocks.
+VOCABS = [1, 7, 111, 1000, 4099, 17000, 32000]
 DTYPES = ["float32", "float16", "bfloat16"]
 KINDS = ["none", "dense", "sparse"]
 METHODS = ["rejection", "coupled"]
@@ -93,8 +95,9 @@ def test_verify_matches_cpu(vocab, dtype, method, kind, tree, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("vocab", [151936, 128256], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize("vocab", [151936, 128256, 262144], ids=lambda v: f"V{v}")
 def test_verify_large_vocab(vocab, dtype, rng):
+    """262144 float32: slices too large to stage in shared memory (read from global)."""
     for method in METHODS:
         for kind in KINDS:
             args, kw = batch_case(rng, vocab, dtype, kind, True, batch=6, max_draft=4)

@@ -65,15 +65,17 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    B, K, V = 256, 4, 151936
+    K, V = 4, 151936
     results = []
     cases = [
-        ("bar: rejection dense, close drafter", "rejection", "dense", 0.9),
-        ("rejection dense, far drafter", "rejection", "dense", 0.0),
-        ("rejection one-hot drafts", "rejection", "none", 0.9),
-        ("coupled", "coupled", "none", 0.9),
+        ("bar: rejection dense, close drafter", 256, "rejection", "dense", 0.9),
+        ("rejection dense, far drafter", 256, "rejection", "dense", 0.0),
+        ("rejection one-hot drafts", 256, "rejection", "none", 0.9),
+        ("coupled", 256, "coupled", "none", 0.9),
+        ("B=16 rejection dense, close", 16, "rejection", "dense", 0.9),
+        ("B=1 rejection dense, close", 1, "rejection", "dense", 0.9),
     ]
-    for name, method, kind, closeness in cases:
+    for name, B, method, kind, closeness in cases:
         logits, tokens, nd, q = make_case(B, K, V, torch.bfloat16, closeness, gen)
         dp = None if kind == "none" else q
         out = {"tokens": torch.empty((B, K + 1), dtype=torch.int32, device="cuda"),
@@ -111,10 +113,10 @@ def main():
         print(json.dumps(row), flush=True)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), results=results), f, indent=1)
-    lines = [f"{'case':42s} {'amax us':>9s} {'specfast':>9s} {'torch':>9s} "
+    lines = [f"{'case':38s} {'amax us':>9s} {'specfast':>9s} {'torch':>9s} "
              f"{'x amax':>7s} {'vs torch':>8s} {'acc':>5s} ok"]
     for r in results:
-        lines.append(f"{r['case']:42s} {r['amax_us']:9.1f} {r['specfast_us']:9.1f} "
+        lines.append(f"{r['case']:38s} {r['amax_us']:9.1f} {r['specfast_us']:9.1f} "
                      f"{r['torch_us']:9.1f} {r['ratio_vs_amax']:7.2f} "
                      f"{r['speedup_vs_torch']:8.1f} {r['mean_accepted']:5.2f} "
                      f"{r['correct_vs_cpu']}")

@@ -55,11 +55,21 @@ SAN=skipped
 if command -v compute-sanitizer >/dev/null; then
   T0=$SECONDS
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x \
-    --no-header -p no:cacheprovider tests/test_cuda.py -k "V111 and bfloat16 or graph or errors" \
+    --no-header -p no:cacheprovider tests/test_cuda.py \
+    -k "verify_matches and (V4099 or V17000) and bfloat16 or graph or errors" \
     > "$RES/memcheck.log" 2>&1
   SAN=$?
   grep -E "ERROR SUMMARY|passed|failed|Invalid" "$RES/memcheck.log" | head -10
   echo "memcheck: rc=$SAN in $((SECONDS - T0)) s"
+  T0=$SECONDS
+  timeout 45 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -x \
+    --no-header -p no:cacheprovider tests/test_cuda.py \
+    -k "verify_matches and V17000 and float32 and rejection and dense and tree" \
+    > "$RES/racecheck.log" 2>&1
+  RACE=$?
+  grep -E "ERROR SUMMARY|passed|failed|hazard" "$RES/racecheck.log" | head -10
+  echo "racecheck: rc=$RACE in $((SECONDS - T0)) s"
+  SAN="$SAN/$RACE"
 fi
 echo "summary: build=$BUILD tests=$TESTS bench=$BENCH memcheck=$SAN" | tee "$RES/summary.txt"
 [ "$TESTS" -eq 0 ] && [ "$BENCH" -eq 0 ]

@@ -4,9 +4,10 @@
  * again with the _rn intrinsics of shared.h so nvcc can fuse nothing), and
  * block-wide reductions and scans.
  *
- * A block of SF_CU_THREADS threads walks a row in tiles of SF_CU_TILE tokens;
- * thread t holds the 8 consecutive tokens [t * 8, t * 8 + 8) of a tile, read
- * with 16-byte loads when the row is aligned. Two neighbouring threads hold
+ * A block of SF_CU_THREADS threads walks its span of a row (sf_cu_span: the
+ * whole row, or the block's slice when a cluster of blocks shares the row) in
+ * tiles of SF_CU_TILE tokens; thread t holds the 8 consecutive tokens
+ * [t * 8, t * 8 + 8) of a tile, read with 16-byte loads when aligned. Two neighbouring threads hold
  * one 16-token chunk of the CPU's vector code, which matters where the CPU
  * skips a chunk (a dense q is read only in chunks with a kept token).
  */
@@ -15,12 +16,13 @@
 
 #include <stdint.h>
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "../common/shared.h"
 #include "specfast.h"
 
-#define SF_CU_THREADS 512
+#define SF_CU_THREADS 256
 #define SF_CU_WARPS (SF_CU_THREADS / 32)
 #define SF_CU_PER 8 /* tokens per thread per tile */
 #define SF_CU_TILE (SF_CU_THREADS * SF_CU_PER)
@@ -28,10 +30,12 @@
 
 /* ---- loads ---- */
 
+/* Logits are read with plain (generic) loads: a span's tokens may sit in
+ * shared memory, where __ldg cannot go. */
 template <int DT>
 __device__ __forceinline__ float sf_cu_load1(const void *row, int64_t v) {
-    if (DT == SF_F32) return __ldg((const float *)row + v);
-    uint16_t h = __ldg((const unsigned short *)row + v);
+    if (DT == SF_F32) return ((const float *)row)[v];
+    uint16_t h = ((const unsigned short *)row)[v];
     return DT == SF_BF16 ? sf_bf16_to_f32(h) : sf_f16_to_f32(h);
 }
 
@@ -48,11 +52,11 @@ __device__ __forceinline__ void sf_cu_load8(const void *row, int64_t i0, int64_t
     if (aligned && i0 + 8 <= n) {
         if (DT == SF_F32) {
             const float4 *p = (const float4 *)((const float *)row + i0);
-            float4 a = __ldg(p), b = __ldg(p + 1);
+            float4 a = p[0], b = p[1];
             x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
             x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
         } else {
-            uint4 u = __ldg((const uint4 *)((const uint16_t *)row + i0));
+            uint4 u = *(const uint4 *)((const uint16_t *)row + i0);
             sf_cu_unpack16(DT, u.x, x);
             sf_cu_unpack16(DT, u.y, x + 2);
             sf_cu_unpack16(DT, u.z, x + 4);
@@ -227,5 +231,45 @@ __device__ __forceinline__ uint64_t sf_cu_block_exscan(uint64_t v) {
     __syncthreads();
     return before + inc - v;
 }
+
+/* ---- cluster reductions ----
+ * A cluster of csize blocks shares a row, each block a slice of it. Each
+ * block puts its block-wide value in shared memory; after a cluster barrier
+ * every thread reads the csize values through distributed shared memory, in
+ * rank order (so every block gets the same result), and a second barrier
+ * keeps the slot until all have read it. All threads of all blocks call it
+ * together. csize 1: the value itself, no barrier. */
+template <class T, class Op>
+__device__ __forceinline__ T sf_cu_cluster_all(T v, int csize, Op op) {
+    if (csize == 1) return v;
+    __shared__ T slot;
+    cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+    if (threadIdx.x == 0) slot = v;
+    cl.sync();
+    T r = *cl.map_shared_rank(&slot, 0);
+    for (int k = 1; k < csize; k++) r = op(r, *cl.map_shared_rank(&slot, k));
+    cl.sync();
+    return r;
+}
+
+/* The sum of v over the blocks of lower rank (0 for rank 0). */
+__device__ __forceinline__ uint64_t sf_cu_cluster_before(uint64_t v, int csize) {
+    if (csize == 1) return 0;
+    __shared__ uint64_t slot;
+    cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+    if (threadIdx.x == 0) slot = v;
+    cl.sync();
+    uint64_t r = 0;
+    for (unsigned k = 0; k < cl.block_rank(); k++) r += *cl.map_shared_rank(&slot, k);
+    cl.sync();
+    return r;
+}
+
+struct sf_cu_add { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a + b; } };
+struct sf_cu_min { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return b < a ? b : a; } };
+struct sf_cu_or { __device__ int operator()(int a, int b) const { return a | b; } };
+struct sf_cu_pick_better {
+    __device__ sf_cu_best operator()(sf_cu_best a, sf_cu_best b) const { return sf_cu_better(a, b); }
+};
 
 #endif /* SF_CUDA_BLOCK_CUH */

@@ -1,10 +1,13 @@
 /*
  * kernels.cu: sf_verify, sf_sample and sf_probs on the GPU.
  *
- * One launch per call: one block per request (per row for sample / probs),
- * walking its chain or tree as csrc/cpu/verify.c does and reading only the
- * rows it reaches. Each step of csrc/cpu/dist.c becomes a block-wide pass
- * over the row:
+ * One launch per call. sf_verify: a cluster of blocks per request, walking
+ * its chain or tree as csrc/cpu/verify.c does and reading only the rows it
+ * reaches; each block owns a slice of every row, copies it into shared memory
+ * when it fits (one read from HBM, the passes then run from shared memory)
+ * and the blocks combine their results through distributed shared memory.
+ * sample / probs: one block per row. Each step of csrc/cpu/dist.c becomes a
+ * pass over the row (over the slices of the cluster):
  * - the max (and the first index of it, for greedy) by a block reduction;
  * - top-k and top-p cuts by a radix select on the rank key (logit
  *   descending, id ascending), 8 bits per pass, with exact integer counts
@@ -68,6 +71,9 @@ struct sf_cu_verify_args {
     int32_t *over_id;  /* n * k_over */
     uint64_t *over_w;  /* n * k_over */
     float *resid;      /* batch * 2 * vocab, or NULL */
+    int csize;         /* blocks per request (the cluster) */
+    int64_t slice;     /* tokens per block, a multiple of SF_CU_TILE */
+    int cache;         /* stage each slice in shared memory */
 };
 
 struct sf_cu_rows_args {
@@ -79,6 +85,12 @@ struct sf_cu_rows_args {
     float *probs;
     int32_t *status;
 };
+
+/* Blocks per request in sf_verify (a cluster; 8 is the portable maximum),
+ * and the most shared memory a block stages a slice of a row in. */
+#define SF_CU_CLUSTER 8
+#define SF_CU_STAGE_MAX (96 * 1024)
+#define SF_CU_MIN_BLOCKS 3 /* resident blocks per SM the registers must allow */
 
 #define SF_PHASE_PARAMS 0
 #define SF_PHASE_DRAFT 1
@@ -116,18 +128,65 @@ struct sf_cu_in {
     const float *q;    /* dense q of the row, or NULL */
 };
 
+/* What a block reads of a row: its tokens [lo, hi) (the whole row, or its
+ * slice when a cluster of csize blocks shares the row) at src, which holds
+ * token lo (in shared memory when the block staged its slice there), and the
+ * row itself in global memory for single tokens. Token ids stay global:
+ * base, q and stored residuals are indexed by them. */
+struct sf_cu_span {
+    const void *src;
+    const void *row;
+    int64_t lo, hi, n;
+    bool al; /* src 16-byte aligned */
+    int csize;
+};
+
+template <int DT>
+__device__ __forceinline__ void sf_cu_span8(const sf_cu_span &sp, int64_t i0, float *x) {
+    sf_cu_load8<DT>(sp.src, i0 - sp.lo, sp.hi - sp.lo, sp.al, x);
+}
+
+template <int DT>
+__device__ __forceinline__ float sf_cu_span1(const sf_cu_span &sp, int64_t v) {
+    return sf_cu_load1<DT>(sp.src, v - sp.lo);
+}
+
+/* Copies tokens [lo, hi) of the row into dst (shared memory, 16-byte
+ * aligned) with asynchronous 16-byte copies, all in flight at once. */
+template <int DT>
+__device__ void sf_cu_stage(void *dst, const void *src, int64_t count, bool al) {
+    const int64_t es = DT == SF_F32 ? 4 : 2;
+    int64_t done = 0;
+    if (al) {
+        const int64_t chunks = count * es / 16;
+        for (int64_t c = threadIdx.x; c < chunks; c += SF_CU_THREADS) {
+            const unsigned d = (unsigned)__cvta_generic_to_shared((char *)dst + c * 16);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                         :: "r"(d), "l"((const char *)src + c * 16) : "memory");
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        done = chunks * 16 / es;
+    }
+    for (int64_t i = done + threadIdx.x; i < count; i += SF_CU_THREADS) {
+        if (DT == SF_F32) ((float *)dst)[i] = ((const float *)src)[i];
+        else ((uint16_t *)dst)[i] = ((const uint16_t *)src)[i];
+    }
+    __syncthreads();
+}
+
 /* Weights of tokens [i0, i0 + 8) (0 past n) into rr (the residual floats);
  * all threads of the block must call it together (a shuffle pairs the two
  * threads of one CPU 16-token chunk). *read_q tells whether q was read. */
 template <int DT>
-__device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const void *row,
-                                               int64_t n, bool al, const sf_cu_in &in,
-                                               bool cut, int64_t i0, float *rr, bool *read_q) {
+__device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const sf_cu_span &sp,
+                                               const sf_cu_in &in, bool cut, int64_t i0,
+                                               float *rr, bool *read_q) {
+    const int64_t n = sp.hi;
     float b[8];
     bool rq = true;
     if (!in.base) {
         float x[8];
-        sf_cu_load8<DT>(row, i0, n, al, x);
+        sf_cu_span8<DT>(sp, i0, x);
         if (cut) {
             bool keep[8];
             int any = 0;
@@ -175,37 +234,52 @@ __device__ __forceinline__ bool sf_cu_cut_active(const sf_cu_row &r) {
 
 /* ---- passes over a row (all threads call them together) ---- */
 
+struct sf_cu_maxr { sf_cu_best best; int bad; };
+struct sf_cu_pick_max {
+    __device__ sf_cu_maxr operator()(sf_cu_maxr a, sf_cu_maxr b) const {
+        return {sf_cu_better(a.best, b.best), a.bad | b.bad};
+    }
+};
+
 /* The row's max, the first index of it, and whether a NaN or +inf is met. */
 template <int DT>
-__device__ void sf_cu_pass_max(const void *row, int64_t n, bool al, float *mx,
-                               int32_t *amax, int *bad) {
+__device__ void sf_cu_pass_max(const sf_cu_span &sp, float *mx, int32_t *amax, int *bad) {
     float m = -INFINITY;
     int32_t mi = -1;
     int nan = 0;
-    for (int64_t i0 = (int64_t)threadIdx.x * 8; i0 < n; i0 += SF_CU_TILE) {
+    for (int64_t i0 = sp.lo + (int64_t)threadIdx.x * 8; i0 < sp.hi; i0 += SF_CU_TILE) {
         float x[8];
-        sf_cu_load8<DT>(row, i0, n, al, x);
+        sf_cu_span8<DT>(sp, i0, x);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             nan |= x[j] != x[j];
             if (x[j] > m) { m = x[j]; mi = (int32_t)(i0 + j); }
         }
     }
-    sf_cu_best best = {m, mi};
-    best = sf_cu_block_best(best);
-    nan = __syncthreads_or(nan);
-    *mx = best.id < 0 ? -INFINITY : best.key;
-    *amax = best.id;
-    *bad = nan || *mx == INFINITY;
+    sf_cu_maxr v;
+    v.best = sf_cu_block_best({m, mi});
+    v.bad = __syncthreads_or(nan);
+    v = sf_cu_cluster_all(v, sp.csize, sf_cu_pick_max());
+    *mx = v.best.id < 0 ? -INFINITY : v.best.key;
+    *amax = v.best.id;
+    *bad = v.bad || *mx == INFINITY;
 }
 
-/* Weights pass: per-tile sums into tiles[], the residual into `store` when
- * not NULL; returns the total. q_bad / q_mass as sf_weights_out's. */
+struct sf_cu_wsum { uint64_t total, q_mass; int q_bad; };
+struct sf_cu_add_wsum {
+    __device__ sf_cu_wsum operator()(sf_cu_wsum a, sf_cu_wsum b) const {
+        return {a.total + b.total, a.q_mass + b.q_mass, a.q_bad | b.q_bad};
+    }
+};
+
+/* Weights pass: per-tile sums of the block's span into tiles[], the residual
+ * into `store` (indexed by token id) when not NULL; returns the row's total.
+ * q_bad / q_mass as sf_weights_out's. */
 template <int DT>
-__device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int64_t n,
-                                       bool al, const sf_cu_in &in, float *store,
-                                       uint64_t *tiles, int ntiles, int *q_bad,
-                                       uint64_t *q_mass) {
+__device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
+                                       const sf_cu_in &in, float *store, uint64_t *tiles,
+                                       int ntiles, int *q_bad, uint64_t *q_mass) {
+    const int64_t n = sp.hi;
     const bool cut = sf_cu_cut_active(r) && !in.base;
     for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) tiles[t] = 0;
     __syncthreads();
@@ -213,10 +287,10 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int6
     uint64_t qm = 0;
     const bool als = store && sf_cu_aligned(store);
     for (int t = 0; t < ntiles; t++) {
-        const int64_t i0 = (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
+        const int64_t i0 = sp.lo + (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
         float rr[8];
         bool rq;
-        sf_cu_weights8<DT>(r, row, n, al, in, cut, i0, rr, &rq);
+        sf_cu_weights8<DT>(r, sp, in, cut, i0, rr, &rq);
         uint64_t s = 0;
         if (in.q && rq && i0 < n) {
 #pragma unroll
@@ -245,12 +319,16 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int6
         if ((threadIdx.x & 31) == 0 && s)
             atomicAdd((unsigned long long *)&tiles[t], (unsigned long long)s);
     }
-    if (q_bad) *q_bad = __syncthreads_or(qbad);
-    if (q_mass) *q_mass = sf_cu_block_sum(qm);
-    __syncthreads();
+    sf_cu_wsum v;
+    v.q_bad = __syncthreads_or(qbad);
+    v.q_mass = sf_cu_block_sum(qm);
     uint64_t part = 0;
     for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
-    return sf_cu_block_sum(part);
+    v.total = sf_cu_block_sum(part);
+    v = sf_cu_cluster_all(v, sp.csize, sf_cu_add_wsum());
+    if (q_bad) *q_bad = v.q_bad;
+    if (q_mass) *q_mass = v.q_mass;
+    return v.total;
 }
 
 /* Radix select: the smallest rank key K of a candidate such that the
@@ -259,10 +337,12 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const void *row, int6
  * finite logits above the current cut, mass floor(e * 2^40)). Returns false
  * when no key qualifies (fewer than k candidates). */
 template <int DT>
-__device__ bool sf_cu_select(const sf_cu_row &r, const void *row, int64_t n, bool al,
-                             int mode, int64_t k, float top_p, uint64_t *out_key) {
-    __shared__ uint32_t hc[256];
-    __shared__ unsigned long long hm[256];
+__device__ bool sf_cu_select(const sf_cu_row &r, const sf_cu_span &sp, int mode, int64_t k,
+                             float top_p, uint64_t *out_key) {
+    __shared__ uint32_t hc[256], gc[256];
+    __shared__ unsigned long long hm[256], gm[256];
+    const uint32_t *cnt = sp.csize > 1 ? gc : hc;
+    const unsigned long long *mass = sp.csize > 1 ? gm : hm;
     __shared__ uint64_t s_prefix, s_mask, s_base_c, s_base_m;
     __shared__ double s_goal;
     __shared__ int s_state; /* 0 go on, 1 one candidate left, 2 done, 3 none */
@@ -276,13 +356,13 @@ __device__ bool sf_cu_select(const sf_cu_row &r, const void *row, int64_t n, boo
         int ld = -1;
         uint32_t lc = 0;
         uint64_t lm = 0;
-        for (int64_t i0 = (int64_t)threadIdx.x * 8; i0 < n; i0 += SF_CU_TILE) {
+        for (int64_t i0 = sp.lo + (int64_t)threadIdx.x * 8; i0 < sp.hi; i0 += SF_CU_TILE) {
             float x[8];
-            sf_cu_load8<DT>(row, i0, n, al, x);
+            sf_cu_span8<DT>(sp, i0, x);
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 const int64_t v = i0 + j;
-                if (v >= n || !(x[j] > -INFINITY)) continue;
+                if (v >= sp.hi || !(x[j] > -INFINITY)) continue;
                 if (mode && !sf_cu_above_cut(r, x[j], v)) continue;
                 const uint64_t key = sf_cu_rank_key(x[j], v);
                 if ((key & mask) != prefix) continue;
@@ -303,16 +383,32 @@ __device__ bool sf_cu_select(const sf_cu_row &r, const void *row, int64_t n, boo
             if (mode) atomicAdd(&hm[ld], (unsigned long long)lm);
         }
         __syncthreads();
+        if (sp.csize > 1) {
+            /* The cluster's histogram: every block sums the blocks' bins. */
+            cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+            cl.sync();
+            for (int i = threadIdx.x; i < 256; i += SF_CU_THREADS) {
+                uint32_t c = 0;
+                unsigned long long m = 0;
+                for (int q = 0; q < sp.csize; q++) {
+                    c += *cl.map_shared_rank(&hc[i], q);
+                    m += *cl.map_shared_rank(&hm[i], q);
+                }
+                gc[i] = c;
+                gm[i] = m;
+            }
+            cl.sync(); /* all have read before the next round clears hc / hm */
+        }
         if (threadIdx.x == 0) {
             if (si == 0 && mode) {
                 uint64_t total = 0;
-                for (int i = 0; i < 256; i++) total += hm[i];
+                for (int i = 0; i < 256; i++) total += mass[i];
                 s_goal = (double)top_p * (double)total;
             }
             uint64_t cc = s_base_c, cm = s_base_m;
             int chosen = -1;
             for (int i = 0; i < 256; i++) {
-                uint64_t nc = cc + hc[i], nm = cm + hm[i];
+                uint64_t nc = cc + cnt[i], nm = cm + mass[i];
                 bool ok = mode ? (double)nm >= s_goal : nc >= (uint64_t)k;
                 if (ok) { chosen = i; break; }
                 cc = nc;
@@ -325,7 +421,7 @@ __device__ bool sf_cu_select(const sf_cu_row &r, const void *row, int64_t n, boo
                 s_base_m = cm;
                 s_prefix |= (uint64_t)chosen << shift;
                 s_mask |= (uint64_t)255 << shift;
-                s_state = hc[chosen] == 1 ? 1 : si == 6 ? 2 : 0;
+                s_state = cnt[chosen] == 1 ? 1 : si == 6 ? 2 : 0;
             }
         }
         __syncthreads();
@@ -337,31 +433,31 @@ __device__ bool sf_cu_select(const sf_cu_row &r, const void *row, int64_t n, boo
     /* One candidate matches the prefix: find it. */
     const uint64_t prefix = s_prefix, mask = s_mask;
     uint64_t found = UINT64_MAX;
-    for (int64_t i0 = (int64_t)threadIdx.x * 8; i0 < n; i0 += SF_CU_TILE) {
+    for (int64_t i0 = sp.lo + (int64_t)threadIdx.x * 8; i0 < sp.hi; i0 += SF_CU_TILE) {
         float x[8];
-        sf_cu_load8<DT>(row, i0, n, al, x);
+        sf_cu_span8<DT>(sp, i0, x);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const int64_t v = i0 + j;
-            if (v >= n || !(x[j] > -INFINITY)) continue;
+            if (v >= sp.hi || !(x[j] > -INFINITY)) continue;
             if (mode && !sf_cu_above_cut(r, x[j], v)) continue;
             const uint64_t key = sf_cu_rank_key(x[j], v);
             if ((key & mask) == prefix && key < found) found = key;
         }
     }
-    *out_key = sf_cu_block_min64(found);
+    *out_key = sf_cu_cluster_all(sf_cu_block_min64(found), sp.csize, sf_cu_min());
     return true;
 }
 
 /* sf_dist_prepare without the mass: max, inverse temperature, top-k, top-p
  * and min-p cuts into d.r; resets the weights source. Returns a status. */
 template <int DT>
-__device__ int sf_cu_prepare(sf_cu_dist &d, const void *row, int64_t n, bool al,
-                             const sf_cu_params_row &p) {
+__device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_params_row &p) {
+    const int64_t n = sp.n;
     float m;
     int32_t amax;
     int bad;
-    sf_cu_pass_max<DT>(row, n, al, &m, &amax, &bad);
+    sf_cu_pass_max<DT>(sp, &m, &amax, &bad);
     if (bad) return SF_ERR_LOGITS;
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     if (threadIdx.x == 0) {
@@ -383,7 +479,7 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const void *row, int64_t n, bool al,
     uint64_t key;
     if (p.top_k > 0 && p.top_k < n) {
         sf_cu_row r = d.r;
-        if (sf_cu_select<DT>(r, row, n, al, 0, p.top_k, 0.0f, &key) && threadIdx.x == 0) {
+        if (sf_cu_select<DT>(r, sp, 0, p.top_k, 0.0f, &key) && threadIdx.x == 0) {
             d.r.cut_logit = sf_cu_key_logit(key);
             d.r.cut_id = (int32_t)(uint32_t)key;
         }
@@ -391,7 +487,7 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const void *row, int64_t n, bool al,
     }
     if (p.top_p < 1.0f) {
         sf_cu_row r = d.r;
-        if (sf_cu_select<DT>(r, row, n, al, 1, 0, p.top_p, &key) && threadIdx.x == 0) {
+        if (sf_cu_select<DT>(r, sp, 1, 0, p.top_p, &key) && threadIdx.x == 0) {
             d.r.cut_logit = sf_cu_key_logit(key);
             d.r.cut_id = (int32_t)(uint32_t)key;
         }
@@ -406,19 +502,20 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const void *row, int64_t n, bool al,
  * item g = 16 s + lane holds tokens 64 s + 16 c + lane, c = 0..3: the four
  * words of one Philox call. */
 template <int DT>
-__device__ int32_t sf_cu_coupled(const sf_cu_row &r, const void *row, int64_t n,
-                                 uint64_t seed, int64_t position) {
+__device__ int32_t sf_cu_coupled(const sf_cu_row &r, const sf_cu_span &sp, uint64_t seed,
+                                 int64_t position) {
     sf_cu_best best = {-INFINITY, -1};
+    const int64_t n = sp.hi; /* lo is a multiple of 64: groups never straddle blocks */
     const int64_t items = (n + 63) / 64 * 16;
     const bool minp = r.min_e > 0.0f;
-    for (int64_t g = threadIdx.x; g < items; g += SF_CU_THREADS) {
+    for (int64_t g = sp.lo / 4 + threadIdx.x; g < items; g += SF_CU_THREADS) {
         const int64_t s = g >> 4, lane = g & 15;
         float x[4];
         bool keep[4], any = false;
 #pragma unroll
         for (int c = 0; c < 4; c++) {
             const int64_t v = 64 * s + 16 * c + lane;
-            x[c] = v < n ? sf_cu_load1<DT>(row, v) : -INFINITY;
+            x[c] = v < n ? sf_cu_span1<DT>(sp, v) : -INFINITY;
             keep[c] = sf_cu_above_cut(r, x[c], v);
             if (minp) keep[c] = keep[c] && sf_cu_row_e(r, x[c]) >= r.min_e;
             any |= keep[c];
@@ -433,7 +530,7 @@ __device__ int32_t sf_cu_coupled(const sf_cu_row &r, const void *row, int64_t n,
             best = sf_cu_better(best, cand);
         }
     }
-    return sf_cu_block_best(best).id;
+    return sf_cu_cluster_all(sf_cu_block_best(best), sp.csize, sf_cu_pick_better()).id;
 }
 
 /* Overrides of one request's current row (one-hot / sparse rejections). */
@@ -452,32 +549,18 @@ __device__ uint64_t sf_cu_weight_at(const sf_cu_dist &d, const sf_cu_over &ov,
     return sf_cu_fixed(sf_cu_resid(b, d.scale, d.q ? d.q[v] : 0.0f));
 }
 
-/* Inverse-CDF draw from d (sf_dist_draw): the first token whose inclusive
- * prefix of weights exceeds floor(bits53 * total / 2^53). */
+/* The draw inside tile `tile` of the block's span, whose tiles before it
+ * (and the blocks before this one) weigh cum; all threads of the block. */
 template <int DT>
-__device__ int32_t sf_cu_draw(const sf_cu_dist &d, const sf_cu_over &ov, const void *row,
-                              int64_t n, bool al, const uint64_t *tiles, int ntiles,
-                              uint64_t seed, int64_t position) {
-    __shared__ int s_tile;
-    __shared__ uint64_t s_cum, s_target;
-    __shared__ int32_t s_tok;
-    if (threadIdx.x == 0) {
-        uint64_t target = sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d.total);
-        uint64_t cum = 0;
-        int t = 0;
-        while (t < ntiles - 1 && cum + tiles[t] <= target) cum += tiles[t++];
-        s_tile = t;
-        s_cum = cum;
-        s_target = target;
-        s_tok = -1;
-    }
-    __syncthreads();
-    const int64_t i0 = (int64_t)s_tile * SF_CU_TILE + threadIdx.x * 8;
-    const uint64_t target = s_target;
+__device__ int32_t sf_cu_draw_tile(const sf_cu_dist &d, const sf_cu_over &ov,
+                                   const sf_cu_span &sp, int tile, uint64_t cum,
+                                   uint64_t target, int32_t *s_tok) {
+    const int64_t n = sp.hi;
+    const int64_t i0 = sp.lo + (int64_t)tile * SF_CU_TILE + threadIdx.x * 8;
     sf_cu_in in = {d.base, d.scale, d.q};
     float rr[8];
     bool rq;
-    sf_cu_weights8<DT>(d.r, row, n, al, in, sf_cu_cut_active(d.r) && !d.base, i0, rr, &rq);
+    sf_cu_weights8<DT>(d.r, sp, in, sf_cu_cut_active(d.r) && !d.base, i0, rr, &rq);
     uint64_t w[8], s = 0;
 #pragma unroll
     for (int j = 0; j < 8; j++) w[j] = i0 + j < n ? sf_cu_fixed(rr[j]) : 0;
@@ -490,41 +573,76 @@ __device__ int32_t sf_cu_draw(const sf_cu_dist &d, const sf_cu_over &ov, const v
     int32_t last = -1;
 #pragma unroll
     for (int j = 0; j < 8; j++) if (w[j]) last = (int32_t)(i0 + j);
-    const uint64_t ex = s_cum + sf_cu_block_exscan(s);
+    const uint64_t ex = cum + sf_cu_block_exscan(s);
     if (s > 0 && target >= ex && target - ex < s) {
         uint64_t c = ex;
         for (int j = 0; j < 8; j++) {
             if (!w[j]) continue;
             c += w[j];
-            if (c > target) { s_tok = (int32_t)(i0 + j); break; }
+            if (c > target) { *s_tok = (int32_t)(i0 + j); break; }
         }
     }
     /* Unreachable fallback (the sums are exact): the last weighted token. */
     sf_cu_best lb = {(float)last, last};
     lb = sf_cu_block_best(lb);
-    return s_tok >= 0 ? s_tok : lb.id;
+    return *s_tok >= 0 ? *s_tok : lb.id;
+}
+
+/* Inverse-CDF draw from d (sf_dist_draw): the first token whose inclusive
+ * prefix of weights exceeds floor(bits53 * total / 2^53). The block whose
+ * span holds the target finds the token; the cluster then shares it. */
+template <int DT>
+__device__ int32_t sf_cu_draw(const sf_cu_dist &d, const sf_cu_over &ov, const sf_cu_span &sp,
+                              const uint64_t *tiles, int ntiles, uint64_t seed,
+                              int64_t position) {
+    __shared__ int s_tile, s_mine;
+    __shared__ uint64_t s_cum, s_target;
+    __shared__ int32_t s_tok;
+    uint64_t part = 0;
+    for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
+    part = sf_cu_block_sum(part);
+    const uint64_t before = sf_cu_cluster_before(part, sp.csize);
+    if (threadIdx.x == 0) {
+        uint64_t target = sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d.total);
+        const int mine = target >= before && target - before < part;
+        uint64_t cum = before;
+        int t = 0;
+        if (mine)
+            while (t < ntiles - 1 && cum + tiles[t] <= target) cum += tiles[t++];
+        s_tile = t;
+        s_cum = cum;
+        s_target = target;
+        s_tok = -1;
+        s_mine = mine;
+    }
+    __syncthreads();
+    int32_t tok = -1;
+    if (s_mine) tok = sf_cu_draw_tile<DT>(d, ov, sp, s_tile, s_cum, s_target, &s_tok);
+    const uint64_t key = sf_cu_cluster_all(tok >= 0 ? (uint64_t)tok : UINT64_MAX, sp.csize,
+                                           sf_cu_min());
+    return key == UINT64_MAX ? -1 : (int32_t)key;
 }
 
 /* ---- verify ---- */
 
 template <int DT>
-__device__ int sf_cu_reject_dense(sf_cu_dist &d, const void *row, int64_t n, bool al,
-                                  const float *q, float *resid2, bool more,
-                                  uint64_t *tiles, int ntiles) {
+__device__ int sf_cu_reject_dense(sf_cu_dist &d, const sf_cu_span &sp, const float *q,
+                                  float *resid2, bool more, uint64_t *tiles, int ntiles) {
+    const int64_t n = sp.n;
     const sf_cu_in old = {d.base, d.scale, d.q};
     const sf_cu_in in = {d.base, (float)(1099511627776.0 / (double)d.total), q};
     float *out = more ? resid2 + (int64_t)d.resid_next * n : NULL;
     int q_bad;
     uint64_t q_mass;
     const sf_cu_row r = d.r;
-    uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in, out, tiles, ntiles, &q_bad, &q_mass);
+    uint64_t total = sf_cu_pass_weights<DT>(r, sp, in, out, tiles, ntiles, &q_bad, &q_mass);
     /* q must sum to 1 within 1e-3 where the pass read it whole (dist.c). */
     const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
     const bool whole = !(sf_cu_cut_active(r) && !in.base);
     if (q_bad || (whole && (q_mass > one + tol || q_mass + tol < one))) return SF_ERR_DRAFT_PROBS;
     if (total == 0) {
         /* p <= q everywhere (p == q up to rounding): keep p. */
-        sf_cu_pass_weights<DT>(r, row, n, al, old, NULL, tiles, ntiles, NULL, NULL);
+        sf_cu_pass_weights<DT>(r, sp, old, NULL, tiles, ntiles, NULL, NULL);
         return SF_OK;
     }
     if (threadIdx.x == 0) {
@@ -545,9 +663,10 @@ __device__ int sf_cu_reject_dense(sf_cu_dist &d, const void *row, int64_t n, boo
 
 /* sf_dist_reject_sparse, on thread 0. */
 template <int DT>
-__device__ void sf_cu_reject_sparse(sf_cu_dist &d, const sf_cu_over &ov, const void *row,
+__device__ void sf_cu_reject_sparse(sf_cu_dist &d, const sf_cu_over &ov, const sf_cu_span &sp,
                                     const int32_t *ids, const float *probs, int64_t k,
                                     uint64_t *tiles) {
+    const void *row = sp.row;
     const double z = (double)d.total;
     uint64_t total = d.total;
     int m = 0;
@@ -565,7 +684,7 @@ __device__ void sf_cu_reject_sparse(sf_cu_dist &d, const sf_cu_over &ov, const v
     for (int i = 0; i < m; i++) {
         int32_t id = ov.id[d.n_over];
         uint64_t old = sf_cu_weight_at<DT>(d, ov, row, id);
-        tiles[id / SF_CU_TILE] += ov.w[d.n_over] - old;
+        if (id >= sp.lo && id < sp.hi) tiles[(id - sp.lo) / SF_CU_TILE] += ov.w[d.n_over] - old;
         d.n_over++;
     }
     d.total = total;
@@ -604,19 +723,29 @@ __device__ float sf_cu_draft_prob(const sf_cu_verify_args &a, int64_t node, int3
 }
 
 template <int DT>
-__global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_verify_kernel(sf_cu_verify_args a) {
-    extern __shared__ uint64_t tiles[];
+__global__ void __launch_bounds__(SF_CU_THREADS, SF_CU_MIN_BLOCKS)
+sf_cu_verify_kernel(sf_cu_verify_args a) {
+    extern __shared__ uint64_t tiles[]; /* the span's tiles, then its staged tokens */
     __shared__ sf_cu_dist d;
     __shared__ int32_t first[SF_MAX_DRAFT + 1], next[SF_MAX_DRAFT];
     __shared__ int s_flag;
-    const int64_t b = blockIdx.x;
+    /* Request b, block `rank` of its cluster: tokens [lo, hi) of each row.
+     * Every block walks the same tree and takes the same decisions (thread 0
+     * of each, same arithmetic); rank 0 writes the results. */
+    const int64_t b = blockIdx.x / a.csize;
+    const int rank = (int)(blockIdx.x % a.csize);
+    const bool writer = rank == 0;
     const int64_t n = a.vocab, width = a.max_draft + 1;
-    const int ntiles = (int)((n + SF_CU_TILE - 1) / SF_CU_TILE);
+    const int64_t lo = min((int64_t)rank * a.slice, n), hi = min(lo + a.slice, n);
+    const int ntiles = (int)((hi - lo + SF_CU_TILE - 1) / SF_CU_TILE);
+    void *stage = a.cache ? (void *)(tiles + ((a.slice / SF_CU_TILE + 1) & ~1)) : NULL;
     int32_t *out_tok = a.out_tokens + b * width;
     int32_t *out_nodes = a.out_nodes ? a.out_nodes + b * a.max_draft : NULL;
-    for (int64_t i = threadIdx.x; i < width; i += SF_CU_THREADS) out_tok[i] = -1;
-    if (out_nodes)
-        for (int64_t i = threadIdx.x; i < a.max_draft; i += SF_CU_THREADS) out_nodes[i] = -1;
+    if (writer) {
+        for (int64_t i = threadIdx.x; i < width; i += SF_CU_THREADS) out_tok[i] = -1;
+        if (out_nodes)
+            for (int64_t i = threadIdx.x; i < a.max_draft; i += SF_CU_THREADS) out_nodes[i] = -1;
+    }
 
     /* Node offset of this request, and whether any num_draft before it is bad. */
     int64_t acc = 0;
@@ -646,7 +775,7 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_verify_kernel(sf_cu_verif
         if (worst != UINT64_MAX) err = SF_STATUS((int)(worst & 255), SF_PHASE_DRAFT);
     }
     if (err) {
-        if (threadIdx.x == 0) { a.status[b] = err; a.out_acc[b] = 0; }
+        if (writer && threadIdx.x == 0) { a.status[b] = err; a.out_acc[b] = 0; }
         return;
     }
 
@@ -661,8 +790,9 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_verify_kernel(sf_cu_verif
     }
     __syncthreads();
     const int64_t k_over = a.kind == SF_DRAFT_SPARSE ? a.sparse_k : 1;
-    const sf_cu_over ov = {a.over_id ? a.over_id + node0 * k_over : NULL,
-                           a.over_w ? a.over_w + node0 * k_over : NULL};
+    /* Each block keeps its own copy of the overrides. */
+    const int64_t ov0 = ((int64_t)rank * a.n + node0) * k_over;
+    const sf_cu_over ov = {a.over_id ? a.over_id + ov0 : NULL, a.over_w ? a.over_w + ov0 : NULL};
     float *resid2 = a.resid ? a.resid + b * 2 * n : NULL;
     const int64_t row0 = node0 + b;
     const size_t esize = DT == SF_F32 ? 4 : 2;
@@ -671,28 +801,35 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_verify_kernel(sf_cu_verif
     int st = SF_OK;
     for (;;) {
         const void *row = (const char *)a.logits + (size_t)((row0 + cur + 1) * a.row_stride) * esize;
-        const bool al = sf_cu_aligned(row);
+        const void *mine = (const char *)row + (size_t)lo * esize;
+        sf_cu_span sp = {mine, row, lo, hi, n, sf_cu_aligned(mine), a.csize};
+        if (stage) {
+            __syncthreads(); /* the last row's tokens are no longer read */
+            sf_cu_stage<DT>(stage, mine, hi - lo, sp.al);
+            sp.src = stage;
+            sp.al = true;
+        }
         const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth); /* wraps, as on the CPU */
         int32_t accepted = -1, emit = -1;
         if (p.temperature == 0.0f || a.method == SF_COUPLED) {
             if (p.temperature == 0.0f) {
                 float m;
                 int bad_row;
-                sf_cu_pass_max<DT>(row, n, al, &m, &emit, &bad_row);
+                sf_cu_pass_max<DT>(sp, &m, &emit, &bad_row);
                 st = bad_row ? SF_ERR_LOGITS : m == -INFINITY ? SF_ERR_ALL_MASKED : SF_OK;
             } else {
-                st = sf_cu_prepare<DT>(d, row, n, al, p);
-                if (st == SF_OK) emit = sf_cu_coupled<DT>(d.r, row, n, p.seed, pos);
+                st = sf_cu_prepare<DT>(d, sp, p);
+                if (st == SF_OK) emit = sf_cu_coupled<DT>(d.r, sp, p.seed, pos);
             }
             if (st != SF_OK) break;
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch])
                 if (tok[ch] == emit) { accepted = ch; break; }
         } else {
-            st = sf_cu_prepare<DT>(d, row, n, al, p);
+            st = sf_cu_prepare<DT>(d, sp, p);
             if (st != SF_OK) break;
             const sf_cu_row r = d.r;
             const sf_cu_in in0 = {NULL, 1.0f, NULL};
-            uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in0, NULL, tiles, ntiles, NULL, NULL);
+            uint64_t total = sf_cu_pass_weights<DT>(r, sp, in0, NULL, tiles, ntiles, NULL, NULL);
             if (threadIdx.x == 0) d.total = total;
             __syncthreads();
             uint32_t j = 0;
@@ -717,37 +854,38 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_verify_kernel(sf_cu_verif
                 if (flag < 0) { st = SF_ERR_DRAFT_PROBS; break; }
                 if (flag) { accepted = ch; break; }
                 if (a.kind == SF_DRAFT_DENSE) {
-                    st = sf_cu_reject_dense<DT>(d, row, n, al, a.dense + node * n, resid2,
-                                                next[ch] >= 0, tiles, ntiles);
+                    st = sf_cu_reject_dense<DT>(d, sp, a.dense + node * n, resid2, next[ch] >= 0,
+                                                tiles, ntiles);
                     if (st != SF_OK) break;
                 } else {
                     if (threadIdx.x == 0) {
                         const float one = 1.0f;
                         if (a.kind == SF_DRAFT_SPARSE)
-                            sf_cu_reject_sparse<DT>(d, ov, row, a.sparse_ids + node * a.sparse_k,
+                            sf_cu_reject_sparse<DT>(d, ov, sp, a.sparse_ids + node * a.sparse_k,
                                                     a.sparse_probs + node * a.sparse_k,
                                                     a.sparse_k, tiles);
                         else
-                            sf_cu_reject_sparse<DT>(d, ov, row, &x, &one, 1, tiles);
+                            sf_cu_reject_sparse<DT>(d, ov, sp, &x, &one, 1, tiles);
                     }
                     __syncthreads();
                 }
             }
             if (st != SF_OK) break;
             if (accepted < 0)
-                emit = sf_cu_draw<DT>(d, ov, row, n, al, tiles, ntiles, p.seed, pos);
+                emit = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, pos);
         }
         if (accepted < 0) {
-            if (threadIdx.x == 0) out_tok[depth] = emit;
+            if (writer && threadIdx.x == 0) out_tok[depth] = emit;
             break;
         }
-        if (threadIdx.x == 0) {
+        if (writer && threadIdx.x == 0) {
             out_tok[depth] = tok[accepted];
             if (out_nodes) out_nodes[depth] = accepted;
         }
         depth++;
         cur = accepted;
     }
+    if (!writer) return;
     __syncthreads();
     if (st != SF_OK) {
         for (int64_t i = threadIdx.x; i < width; i += SF_CU_THREADS) out_tok[i] = -1;
@@ -771,7 +909,7 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
     const int ntiles = (int)((n + SF_CU_TILE - 1) / SF_CU_TILE);
     const void *row = (const char *)a.logits +
                       (size_t)(b * a.row_stride) * (size_t)(DT == SF_F32 ? 4 : 2);
-    const bool al = sf_cu_aligned(row);
+    const sf_cu_span sp = {row, row, 0, n, n, sf_cu_aligned(row), 1};
     float *out = a.probs ? a.probs + b * n : NULL;
     sf_cu_params_row p = sf_cu_get_params(a.params, b);
     int32_t err = 0, tok = -1;
@@ -780,21 +918,21 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
     } else if (p.temperature == 0.0f) {
         float m;
         int bad;
-        sf_cu_pass_max<DT>(row, n, al, &m, &tok, &bad);
+        sf_cu_pass_max<DT>(sp, &m, &tok, &bad);
         int st = bad ? SF_ERR_LOGITS : m == -INFINITY ? SF_ERR_ALL_MASKED : SF_OK;
         if (st) err = SF_STATUS(st, SF_PHASE_RUN);
         if (out && !st) {
             for (int64_t v = threadIdx.x; v < n; v += SF_CU_THREADS) out[v] = v == tok ? 1.0f : 0.0f;
         }
     } else {
-        int st = sf_cu_prepare<DT>(d, row, n, al, p);
+        int st = sf_cu_prepare<DT>(d, sp, p);
         if (st == SF_OK) {
             const sf_cu_row r = d.r;
             if (!out && a.method == SF_COUPLED) {
-                tok = sf_cu_coupled<DT>(r, row, n, p.seed, p.position);
+                tok = sf_cu_coupled<DT>(r, sp, p.seed, p.position);
             } else {
                 const sf_cu_in in0 = {NULL, 1.0f, NULL};
-                uint64_t total = sf_cu_pass_weights<DT>(r, row, n, al, in0, NULL, tiles, ntiles, NULL, NULL);
+                uint64_t total = sf_cu_pass_weights<DT>(r, sp, in0, NULL, tiles, ntiles, NULL, NULL);
                 if (threadIdx.x == 0) d.total = total;
                 __syncthreads();
                 if (out) {
@@ -805,13 +943,13 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
                         const int64_t i0 = (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
                         float rr[8];
                         bool rq;
-                        sf_cu_weights8<DT>(r, row, n, al, in0, cut, i0, rr, &rq);
+                        sf_cu_weights8<DT>(r, sp, in0, cut, i0, rr, &rq);
                         for (int j = 0; j < 8 && i0 + j < n; j++)
                             out[i0 + j] = (float)((double)sf_cu_fixed(rr[j]) * inv);
                     }
                 } else {
                     const sf_cu_over ov = {NULL, NULL};
-                    tok = sf_cu_draw<DT>(d, ov, row, n, al, tiles, ntiles, p.seed, p.position);
+                    tok = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, p.position);
                 }
             }
         }
@@ -851,20 +989,39 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
     return SF_OK;
 }
 
+/* Dynamic shared memory beyond the default 48 KB must be asked for. */
+static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
+    if (bytes <= 48 * 1024) return cudaSuccess;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)bytes);
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                cudaSharedmemCarveoutMaxShared);
+}
+
 static size_t sf_cu_tiles_bytes(int64_t vocab) {
     return (size_t)((vocab + SF_CU_TILE - 1) / SF_CU_TILE) * sizeof(uint64_t);
 }
 
 static size_t sf_cu_align16(size_t x) { return (x + 15) & ~(size_t)15; }
 
-/* Workspace layout: over_w (n k_over uint64), over_id (n k_over int32),
- * resid (batch 2 vocab float, dense trees with rejection only). */
+/* Blocks per request: one per tile up to SF_CU_CLUSTER, so a row is read by
+ * many SMs at once (a lone request too) and each slice is small enough to
+ * stage in shared memory. */
+static int sf_cu_cluster_size(int64_t vocab) {
+    const int64_t t = (vocab + SF_CU_TILE - 1) / SF_CU_TILE;
+    return (int)(t < SF_CU_CLUSTER ? t : SF_CU_CLUSTER);
+}
+
+/* Workspace layout: over_w (csize n k_over uint64), over_id (csize n k_over
+ * int32), resid (batch 2 vocab float, dense trees with rejection only). */
 static void sf_cu_layout(const sf_logits *l, const sf_draft *d, sf_method method,
                          size_t *w_bytes, size_t *id_bytes, size_t *resid_bytes) {
     const int64_t k_over = d->kind == SF_DRAFT_SPARSE ? d->sparse_k : 1;
     const bool over = method == SF_REJECTION && d->kind != SF_DRAFT_DENSE && d->n > 0;
-    *w_bytes = over ? sf_cu_align16((size_t)(d->n * k_over) * 8) : 0;
-    *id_bytes = over ? sf_cu_align16((size_t)(d->n * k_over) * 4) : 0;
+    const int64_t c = sf_cu_cluster_size(l->vocab);
+    *w_bytes = over ? sf_cu_align16((size_t)(c * d->n * k_over) * 8) : 0;
+    *id_bytes = over ? sf_cu_align16((size_t)(c * d->n * k_over) * 4) : 0;
     *resid_bytes = method == SF_REJECTION && d->kind == SF_DRAFT_DENSE && d->parents && d->n > 0
                        ? (size_t)(d->batch * 2 * l->vocab) * 4 : 0;
 }
@@ -942,13 +1099,30 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     a.over_id = ib ? (int32_t *)(ws + wb) : NULL;
     a.resid = rb ? (float *)(ws + wb + ib) : NULL;
 
-    const size_t shm = sf_cu_tiles_bytes(logits->vocab);
-    cudaStream_t s = (cudaStream_t)stream;
-    switch (logits->dtype) {
-    case SF_F32: sf_cu_verify_kernel<SF_F32><<<(unsigned)draft->batch, SF_CU_THREADS, shm, s>>>(a); break;
-    case SF_F16: sf_cu_verify_kernel<SF_F16><<<(unsigned)draft->batch, SF_CU_THREADS, shm, s>>>(a); break;
-    case SF_BF16: sf_cu_verify_kernel<SF_BF16><<<(unsigned)draft->batch, SF_CU_THREADS, shm, s>>>(a); break;
-    }
+    a.csize = sf_cu_cluster_size(logits->vocab);
+    const int64_t tiles = (logits->vocab + SF_CU_TILE - 1) / SF_CU_TILE;
+    a.slice = (tiles + a.csize - 1) / a.csize * SF_CU_TILE;
+    const size_t stage = (size_t)a.slice * (logits->dtype == SF_F32 ? 4 : 2);
+    a.cache = stage <= SF_CU_STAGE_MAX;
+    /* The layout the kernel assumes: an even number of tile sums, then the stage. */
+    const size_t shm = (size_t)((a.slice / SF_CU_TILE + 1) & ~1) * 8 + (a.cache ? stage : 0);
+    void (*kernel)(sf_cu_verify_args) =
+        logits->dtype == SF_F32 ? sf_cu_verify_kernel<SF_F32>
+        : logits->dtype == SF_F16 ? sf_cu_verify_kernel<SF_F16> : sf_cu_verify_kernel<SF_BF16>;
+    if (sf_cu_allow_shm((const void *)kernel, shm) != cudaSuccess) return sf_cu_launched();
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(draft->batch * a.csize));
+    cfg.blockDim = dim3(SF_CU_THREADS);
+    cfg.dynamicSmemBytes = shm;
+    cfg.stream = (cudaStream_t)stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)a.csize;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, kernel, a);
     return sf_cu_launched();
 }
 
@@ -974,12 +1148,11 @@ static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *param
     a.probs = probs;
     a.status = status;
     const size_t shm = sf_cu_tiles_bytes(logits->vocab);
-    cudaStream_t s = (cudaStream_t)stream;
-    switch (logits->dtype) {
-    case SF_F32: sf_cu_rows_kernel<SF_F32><<<(unsigned)logits->rows, SF_CU_THREADS, shm, s>>>(a); break;
-    case SF_F16: sf_cu_rows_kernel<SF_F16><<<(unsigned)logits->rows, SF_CU_THREADS, shm, s>>>(a); break;
-    case SF_BF16: sf_cu_rows_kernel<SF_BF16><<<(unsigned)logits->rows, SF_CU_THREADS, shm, s>>>(a); break;
-    }
+    void (*kernel)(sf_cu_rows_args) =
+        logits->dtype == SF_F32 ? sf_cu_rows_kernel<SF_F32>
+        : logits->dtype == SF_F16 ? sf_cu_rows_kernel<SF_F16> : sf_cu_rows_kernel<SF_BF16>;
+    if (sf_cu_allow_shm((const void *)kernel, shm) != cudaSuccess) return sf_cu_launched();
+    kernel<<<(unsigned)logits->rows, SF_CU_THREADS, shm, (cudaStream_t)stream>>>(a);
     return sf_cu_launched();
 }
 
