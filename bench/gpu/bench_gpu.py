@@ -62,6 +62,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench/gpu/results")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="the bar case per cluster size / staging")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -111,8 +112,26 @@ def main():
                    check_s=time.time() - t0)
         results.append(row)
         print(json.dumps(row), flush=True)
+    sweep = []
+    if args.sweep:
+        # The bar case under other cluster sizes and without staging (tuning).
+        logits, tokens, nd, q = make_case(256, K, V, torch.bfloat16, 0.9, gen)
+        amax = timeit(lambda: torch.amax(logits, dim=-1), args.iters)[0]
+        for cluster in ("1", "2", "4", "8"):
+            for stage in ("1", "0"):
+                os.environ["SPECFAST_CUDA_CLUSTER"] = cluster
+                os.environ["SPECFAST_CUDA_STAGE"] = stage
+                t = timeit(lambda: _cuda.verify(logits, tokens, nd, draft_probs=q, seed=7,
+                                                position=100, max_draft=K, check=False),
+                           args.iters)[0]
+                row = dict(cluster=int(cluster), stage=int(stage), us=t, x_amax=t / amax)
+                sweep.append(row)
+                print(json.dumps(row), flush=True)
+        os.environ.pop("SPECFAST_CUDA_CLUSTER")
+        os.environ.pop("SPECFAST_CUDA_STAGE")
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), results=results), f, indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(), results=results, sweep=sweep), f,
+                  indent=1)
     lines = [f"{'case':38s} {'amax us':>9s} {'specfast':>9s} {'torch':>9s} "
              f"{'x amax':>7s} {'vs torch':>8s} {'acc':>5s} ok"]
     for r in results:

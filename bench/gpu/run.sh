@@ -46,7 +46,7 @@ grep -E "^(FAILED|ERROR)" "$RES/test_cuda.log" | head -40
 echo "tests: rc=$TESTS in $((SECONDS - T0)) s"
 
 T0=$SECONDS
-timeout 90 python3 bench/gpu/bench_gpu.py --out "$RES"
+timeout 90 python3 bench/gpu/bench_gpu.py --sweep --out "$RES"
 BENCH=$?
 echo "bench: rc=$BENCH in $((SECONDS - T0)) s"
 # Out-of-bounds reads and races, on a few small cases (compute-sanitizer works on

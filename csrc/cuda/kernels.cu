@@ -24,6 +24,7 @@
  */
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdlib.h>
 
 #include "block.cuh"
 #include "specfast_cuda.h"
@@ -505,8 +506,10 @@ template <int DT>
 __device__ int32_t sf_cu_coupled(const sf_cu_row &r, const sf_cu_span &sp, uint64_t seed,
                                  int64_t position) {
     sf_cu_best best = {-INFINITY, -1};
-    const int64_t n = sp.hi; /* lo is a multiple of 64: groups never straddle blocks */
-    const int64_t items = (n + 63) / 64 * 16;
+    /* lo is a multiple of 64 (groups never straddle blocks) unless the span
+     * is empty: lo = hi = n. */
+    const int64_t n = sp.hi;
+    const int64_t items = sp.hi > sp.lo ? (n + 63) / 64 * 16 : 0;
     const bool minp = r.min_e > 0.0f;
     for (int64_t g = sp.lo / 4 + threadIdx.x; g < items; g += SF_CU_THREADS) {
         const int64_t s = g >> 4, lane = g & 15;
@@ -989,14 +992,27 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
     return SF_OK;
 }
 
-/* Dynamic shared memory beyond the default 48 KB must be asked for. */
+/* Static and dynamic shared memory together beyond 48 KB must be asked for;
+ * each kernel's grant is remembered (a race only repeats the same call). */
 static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
-    if (bytes <= 48 * 1024) return cudaSuccess;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)bytes);
+    static const void *kernels[8];
+    static size_t granted[8];
+    int k = 0;
+    while (k < 7 && kernels[k] && kernels[k] != kernel) k++;
+    if (kernels[k] == kernel && granted[k] >= bytes) return cudaSuccess;
+    cudaFuncAttributes fa;
+    cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
     if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                cudaSharedmemCarveoutMaxShared);
+    if (fa.sharedSizeBytes + bytes > 48 * 1024) {
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+        if (e == cudaSuccess)
+            e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     cudaSharedmemCarveoutMaxShared);
+        if (e != cudaSuccess) return e;
+    }
+    kernels[k] = kernel;
+    granted[k] = bytes;
+    return cudaSuccess;
 }
 
 static size_t sf_cu_tiles_bytes(int64_t vocab) {
@@ -1007,10 +1023,14 @@ static size_t sf_cu_align16(size_t x) { return (x + 15) & ~(size_t)15; }
 
 /* Blocks per request: one per tile up to SF_CU_CLUSTER, so a row is read by
  * many SMs at once (a lone request too) and each slice is small enough to
- * stage in shared memory. */
+ * stage in shared memory. SPECFAST_CUDA_CLUSTER=1..8 lowers the limit (for
+ * tuning). */
 static int sf_cu_cluster_size(int64_t vocab) {
+    const char *env = getenv("SPECFAST_CUDA_CLUSTER");
+    int most = env ? atoi(env) : SF_CU_CLUSTER;
+    if (most < 1 || most > SF_CU_CLUSTER) most = SF_CU_CLUSTER;
     const int64_t t = (vocab + SF_CU_TILE - 1) / SF_CU_TILE;
-    return (int)(t < SF_CU_CLUSTER ? t : SF_CU_CLUSTER);
+    return (int)(t < most ? t : most);
 }
 
 /* Workspace layout: over_w (csize n k_over uint64), over_id (csize n k_over
@@ -1103,7 +1123,8 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     const int64_t tiles = (logits->vocab + SF_CU_TILE - 1) / SF_CU_TILE;
     a.slice = (tiles + a.csize - 1) / a.csize * SF_CU_TILE;
     const size_t stage = (size_t)a.slice * (logits->dtype == SF_F32 ? 4 : 2);
-    a.cache = stage <= SF_CU_STAGE_MAX;
+    const char *env = getenv("SPECFAST_CUDA_STAGE"); /* 0: never stage (for tuning) */
+    a.cache = stage <= SF_CU_STAGE_MAX && !(env && env[0] == '0');
     /* The layout the kernel assumes: an even number of tile sums, then the stage. */
     const size_t shm = (size_t)((a.slice / SF_CU_TILE + 1) & ~1) * 8 + (a.cache ? stage : 0);
     void (*kernel)(sf_cu_verify_args) =
