@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench/gpu/results")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="the bar case per cluster size / staging")
+    ap.add_argument("--only", type=int, default=0, help="run only the first N cases")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -76,7 +77,7 @@ def main():
         ("B=16 rejection dense, close", 16, "rejection", "dense", 0.9),
         ("B=1 rejection dense, close", 1, "rejection", "dense", 0.9),
     ]
-    for name, B, method, kind, closeness in cases:
+    for name, B, method, kind, closeness in cases[:args.only or None]:
         logits, tokens, nd, q = make_case(B, K, V, torch.bfloat16, closeness, gen)
         dp = None if kind == "none" else q
         out = {"tokens": torch.empty((B, K + 1), dtype=torch.int32, device="cuda"),

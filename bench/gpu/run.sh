@@ -10,20 +10,19 @@ RES="${OUT:-bench/gpu/results}"
 mkdir -p "$RES"
 exec > >(tee "$RES/run.log") 2>&1
 JOBS="$(nproc 2>/dev/null || echo 4)"
-{ nvidia-smi; nvcc --version; python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.is_available())"; } \
-  > "$RES/env.txt" 2>&1
-cat "$RES/env.txt"
+# At most 8 files come back from the device runner: the build log stays in
+# build/gpu.log unless the build fails, the sanitizers share one log.
+nvidia-smi; nvcc --version
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.is_available())"
 
-# Build. CMakeLists.txt includes cmake/cuda.cmake; until it does, inject it.
-EXTRA=()
-grep -q "cmake/cuda.cmake" CMakeLists.txt || EXTRA+=("-DCMAKE_PROJECT_INCLUDE=$PWD/cmake/cuda.cmake")
 T0=$SECONDS
+mkdir -p build
 cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=Release -DSPECFAST_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90-real "${EXTRA[@]}" > "$RES/build.log" 2>&1 \
-  && cmake --build build/gpu -j "$JOBS" >> "$RES/build.log" 2>&1
+  -DCMAKE_CUDA_ARCHITECTURES=90-real > build/gpu.log 2>&1 \
+  && cmake --build build/gpu -j "$JOBS" >> build/gpu.log 2>&1
 BUILD=$?
 echo "build: rc=$BUILD in $((SECONDS - T0)) s"
-if [ "$BUILD" -ne 0 ]; then tail -40 "$RES/build.log"; exit 1; fi
+if [ "$BUILD" -ne 0 ]; then tail -40 build/gpu.log; exit 1; fi
 
 export SPECFAST_LIBRARY="$PWD/build/gpu/libspecfast.so"
 export SPECFAST_CUDA_LIBRARY="$PWD/build/gpu/libspecfast_cuda.so"
@@ -39,7 +38,7 @@ python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8)
 
 T0=$SECONDS
 timeout 150 python3 -m pytest -q --no-header -p no:cacheprovider "${XDIST[@]}" tests/test_cuda.py \
-  --junitxml="$RES/test_cuda.xml" > "$RES/test_cuda.log" 2>&1
+  > "$RES/test_cuda.log" 2>&1
 TESTS=$?
 grep -E "passed|failed|error" "$RES/test_cuda.log" | tail -5
 grep -E "^(FAILED|ERROR)" "$RES/test_cuda.log" | head -40
@@ -57,19 +56,28 @@ if command -v compute-sanitizer >/dev/null; then
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x \
     --no-header -p no:cacheprovider tests/test_cuda.py \
     -k "verify_matches and (V4099 or V17000) and bfloat16 or graph or errors" \
-    > "$RES/memcheck.log" 2>&1
+    > "$RES/sanitizers.log" 2>&1
   SAN=$?
-  grep -E "ERROR SUMMARY|passed|failed|Invalid" "$RES/memcheck.log" | head -10
+  grep -E "ERROR SUMMARY|passed|failed|Invalid" "$RES/sanitizers.log" | head -10
   echo "memcheck: rc=$SAN in $((SECONDS - T0)) s"
   T0=$SECONDS
   timeout 45 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -x \
     --no-header -p no:cacheprovider tests/test_cuda.py \
     -k "verify_matches and V17000 and float32 and rejection and dense and tree" \
-    > "$RES/racecheck.log" 2>&1
+    >> "$RES/sanitizers.log" 2>&1
   RACE=$?
-  grep -E "ERROR SUMMARY|passed|failed|hazard" "$RES/racecheck.log" | head -10
+  grep -E "ERROR SUMMARY|passed|failed|hazard" "$RES/sanitizers.log" | head -10
   echo "racecheck: rc=$RACE in $((SECONDS - T0)) s"
   SAN="$SAN/$RACE"
+fi
+# One launch of the bar case under Nsight Compute: where the time goes.
+if command -v ncu >/dev/null; then
+  T0=$SECONDS
+  timeout 90 ncu --clock-control none --kernel-name regex:sf_cu_verify_kernel --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    python3 bench/gpu/bench_gpu.py --only 1 --iters 1 --out /tmp/ncu_bench > "$RES/ncu.txt" 2>&1
+  echo "ncu: rc=$? in $((SECONDS - T0)) s"
 fi
 echo "summary: build=$BUILD tests=$TESTS bench=$BENCH memcheck=$SAN" | tee "$RES/summary.txt"
 [ "$TESTS" -eq 0 ] && [ "$BENCH" -eq 0 ]

@@ -153,15 +153,15 @@ __device__ __forceinline__ uint64_t sf_cu_block_sum(uint64_t v) {
     return r;
 }
 
-__device__ __forceinline__ float sf_cu_block_fsum(float v) {
-    __shared__ float buf[SF_CU_WARPS];
+__device__ __forceinline__ double sf_cu_block_dsum(double v) {
+    __shared__ double buf[SF_CU_WARPS];
 #pragma unroll
-    for (int o = 16; o; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(SF_FULL_MASK, v, o));
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(SF_FULL_MASK, v, o);
     if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
     __syncthreads();
-    float r = 0.0f;
+    double r = 0.0;
 #pragma unroll
-    for (int w = 0; w < SF_CU_WARPS; w++) r = __fadd_rn(r, buf[w]);
+    for (int w = 0; w < SF_CU_WARPS; w++) r += buf[w];
     __syncthreads();
     return r;
 }
@@ -265,6 +265,7 @@ __device__ __forceinline__ uint64_t sf_cu_cluster_before(uint64_t v, int csize) 
     return r;
 }
 
+struct sf_cu_dadd { __device__ double operator()(double a, double b) const { return a + b; } };
 struct sf_cu_add { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a + b; } };
 struct sf_cu_min { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return b < a ? b : a; } };
 struct sf_cu_or { __device__ int operator()(int a, int b) const { return a | b; } };

@@ -332,6 +332,31 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
     return v.total;
 }
 
+/* An upper bound of the row's mass over 2^40 (kernels_impl.h's mass_bound):
+ * 2^y <= 2^floor(y) (1 + frac(y)), the chord of a convex function, read off
+ * the bits of y 2^23 + 127 2^23 (truncating toward zero only raises it);
+ * eight tokens summed in float, the rest in double. */
+template <int DT>
+__device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
+    const bool cut = r.cut_logit > -INFINITY;
+    double total = 0.0;
+    for (int64_t i0 = sp.lo + (int64_t)threadIdx.x * 8; i0 < sp.hi; i0 += SF_CU_TILE) {
+        float x[8];
+        sf_cu_span8<DT>(sp, i0, x);
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float y = SF_FMUL(SF_FSUB(x[j], r.max), r.c);
+            y = y > -126.0f ? y : -126.0f; /* and -inf */
+            float e = sf_u2f((uint32_t)((int32_t)SF_FMUL(y, 8388608.0f) + 0x3F800000));
+            if (cut && !(x[j] >= r.cut_logit)) e = 0.0f;
+            acc += e;
+        }
+        total += (double)acc;
+    }
+    return sf_cu_cluster_all(sf_cu_block_dsum(total), sp.csize, sf_cu_dadd());
+}
+
 /* Radix select: the smallest rank key K of a candidate such that the
  * candidates with keys <= K weigh enough: count >= k (mode 0, candidates: the
  * finite logits) or (double) mass >= top_p * total mass (mode 1, candidates:
@@ -725,13 +750,27 @@ __device__ float sf_cu_draft_prob(const sf_cu_verify_args &a, int64_t node, int3
     return 1.0f;
 }
 
+#define SF_CU_ONE 1099511627776.0 /* 2^40: the weight of the row's max */
+
+/* The exact mass of d's row (fresh from sf_cu_prepare) into d.total and tiles. */
+template <int DT>
+__device__ void sf_cu_set_mass(sf_cu_dist &d, const sf_cu_span &sp, uint64_t *tiles, int ntiles) {
+    const sf_cu_row r = d.r;
+    const sf_cu_in in0 = {NULL, 1.0f, NULL};
+    const uint64_t total = sf_cu_pass_weights<DT>(r, sp, in0, NULL, tiles, ntiles, NULL, NULL);
+    if (threadIdx.x == 0) d.total = total;
+    __syncthreads();
+}
+
 template <int DT>
 __global__ void __launch_bounds__(SF_CU_THREADS, SF_CU_MIN_BLOCKS)
 sf_cu_verify_kernel(sf_cu_verify_args a) {
     extern __shared__ uint64_t tiles[]; /* the span's tiles, then its staged tokens */
     __shared__ sf_cu_dist d;
     __shared__ int32_t first[SF_MAX_DRAFT + 1], next[SF_MAX_DRAFT];
-    __shared__ int s_flag;
+    __shared__ int s_flag, s_try;
+    __shared__ double s_uq;
+    __shared__ uint64_t s_w;
     /* Request b, block `rank` of its cluster: tokens [lo, hi) of each row.
      * Every block walks the same tree and takes the same decisions (thread 0
      * of each, same arithmetic); rank 0 writes the results. */
@@ -830,32 +869,40 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
         } else {
             st = sf_cu_prepare<DT>(d, sp, p);
             if (st != SF_OK) break;
-            const sf_cu_row r = d.r;
-            const sf_cu_in in0 = {NULL, 1.0f, NULL};
-            uint64_t total = sf_cu_pass_weights<DT>(r, sp, in0, NULL, tiles, ntiles, NULL, NULL);
-            if (threadIdx.x == 0) d.total = total;
-            __syncthreads();
+            /* verify.c: the exact mass of the row is summed only when a bound
+             * on it cannot accept the first child. */
+            bool have_mass = false;
             uint32_t j = 0;
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch], j++) {
                 const int64_t node = node0 + ch;
                 const int32_t x = tok[ch];
                 if (threadIdx.x == 0) {
-                    float qx = sf_cu_draft_prob(a, node, x);
-                    int flag;
-                    if (!(qx >= 0.0f && qx <= 1.001f)) {
-                        flag = -1;
-                    } else {
-                        double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
-                        double px = (double)sf_cu_weight_at<DT>(d, ov, row, x) / (double)d.total;
-                        flag = qx > 0.0f && u * (double)qx < px;
-                    }
-                    s_flag = flag;
+                    const float qx = sf_cu_draft_prob(a, node, x);
+                    const bool ok = qx >= 0.0f && qx <= 1.001f;
+                    const double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
+                    const uint64_t w = sf_cu_weight_at<DT>(d, ov, row, x);
+                    s_flag = ok ? 0 : -1;
+                    s_uq = u * (double)qx;
+                    s_w = w;
+                    /* No bound can accept where the total is at least one max's weight. */
+                    s_try = ok && qx > 0.0f && !have_mass && s_uq * SF_CU_ONE < (double)w;
                 }
                 __syncthreads();
-                const int flag = s_flag;
+                const int bad_q = s_flag, try_bound = s_try;
+                const double uq = s_uq;
+                const uint64_t w = s_w;
                 __syncthreads();
-                if (flag < 0) { st = SF_ERR_DRAFT_PROBS; break; }
-                if (flag) { accepted = ch; break; }
+                if (bad_q < 0) { st = SF_ERR_DRAFT_PROBS; break; }
+                if (try_bound) {
+                    /* The margin covers the float sums and exp2's error many times over. */
+                    const double up = sf_cu_pass_bound<DT>(d.r, sp) * 1.001 * SF_CU_ONE + 1.0;
+                    if (uq * up < (double)w) { accepted = ch; break; }
+                }
+                if (!have_mass) {
+                    sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
+                    have_mass = true;
+                }
+                if (uq > 0.0 && uq < (double)w / (double)d.total) { accepted = ch; break; }
                 if (a.kind == SF_DRAFT_DENSE) {
                     st = sf_cu_reject_dense<DT>(d, sp, a.dense + node * n, resid2, next[ch] >= 0,
                                                 tiles, ntiles);
@@ -873,6 +920,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                     __syncthreads();
                 }
             }
+            if (st == SF_OK && accepted < 0 && !have_mass) sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
             if (st != SF_OK) break;
             if (accepted < 0)
                 emit = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, pos);
