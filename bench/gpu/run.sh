@@ -3,7 +3,7 @@
 # an H200): build libspecfast.so and libspecfast_cuda.so with CMake, run the
 # CUDA-vs-CPU tests, run the GPU benchmark. Everything lands in one folder:
 # $OUT when set (the device runner's output folder), else bench/gpu/results.
-#   bash bench/gpu/run.sh
+#   bash bench/gpu/run.sh        (SKIP_SANITIZERS=1: no memcheck / racecheck)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 RES="${OUT:-bench/gpu/results}"
@@ -51,7 +51,7 @@ echo "bench: rc=$BENCH in $((SECONDS - T0)) s"
 # Out-of-bounds reads and races, on a few small cases (compute-sanitizer works on
 # Firecracker machines, not on gVisor ones).
 SAN=skipped
-if command -v compute-sanitizer >/dev/null; then
+if command -v compute-sanitizer >/dev/null && [ -z "${SKIP_SANITIZERS:-}" ]; then
   T0=$SECONDS
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -x \
     --no-header -p no:cacheprovider tests/test_cuda.py \
@@ -76,6 +76,7 @@ if command -v ncu >/dev/null; then
   timeout 90 ncu --clock-control none --kernel-name regex:sf_cu_verify_kernel --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    --section SchedulerStats --section InstructionStats \
     python3 bench/gpu/bench_gpu.py --only 1 --iters 1 --out /tmp/ncu_bench > "$RES/ncu.txt" 2>&1
   echo "ncu: rc=$? in $((SECONDS - T0)) s"
 fi
