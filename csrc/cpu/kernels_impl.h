@@ -188,18 +188,14 @@ static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     }
 }
 
-/* 2^y <= 2^floor(y) (1 + frac(y)): the chord of a convex function, read off
- * the bits of y 2^23 + 127 2^23 (truncating toward zero only raises it). A
- * few operations a token instead of the exact exp2 and fixed-point sums.
- * Each lane adds at most SF_BOUND_BLOCK / SF_W / 2 + 1 floats (a relative
+/* An upper bound of the row's mass: vexp2_up instead of the exact exp2 and
+ * fixed-point sums, a few operations a token. Each lane adds at most SF_BOUND_BLOCK / SF_W / 2 + 1 floats (a relative
  * error under 4e-5 at every width; callers allow 1e-3), blocks are summed
  * in double. */
 #define SF_BOUND_BLOCK 4096
 
 static inline __attribute__((always_inline)) vf bound_e(const sf_row *r, vf x, int cut) {
-    vf y = (x - r->max) * r->c;
-    y = vsel(y > -126.0f, y, vf_set(-126.0f)); /* and -inf */
-    vf e = (vf)(__builtin_convertvector(y * 8388608.0f, vi) + 0x3F800000);
+    vf e = vexp2_up((x - r->max) * r->c);
     /* Ties at the cut all count (the bound then needs no token ids, so a
      * part of a row can be bounded on its own). */
     return cut ? vsel(x >= r->cut_logit, e, vf_set(0.0f)) : e;
@@ -255,12 +251,6 @@ static inline uint32_t noise_bound(float g) {
     return (uint32_t)(u * 8589934592.0f) + 4096u; /* 2 u 2^32 */
 }
 
-static inline float hmax(vf x) {
-    float m = x[0];
-    for (int j = 1; j < SF_W; j++) m = x[j] > m ? x[j] : m;
-    return m;
-}
-
 static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) {
     /* 64 tokens at a time: 16 Philox blocks give their noise words (see
      * sf_noise_word), computed SF_W blocks per vector call. */
@@ -283,25 +273,32 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
             smax = vsel(s[c] > smax, s[c], smax);
         }
         /* A token's key is s + G with G <= SF_GUMBEL_MAX. */
-        const uint32_t bound = noise_bound(best - hmax(smax));
+        const uint32_t bound = noise_bound(best - vhmax(smax));
         if (bound == 0) continue;
         vu w[CALLS][4];
         for (int h = 0; h < CALLS; h++)
             vphilox(seed, position, SF_PURPOSE_NOISE,
                     (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)), w[h]);
         /* Chunk c holds tokens i0 + c SF_W ..: word (c SF_W) / 16 of the
-         * call covering lanes (c SF_W) % 16 onwards. */
+         * call covering lanes (c SF_W) % 16 onwards. Per token: noise above
+         * g = best - s needs a word below about 2^32 exp(-g) (noise_bound in
+         * vector form, with the chord's upper bound of the exp: a few more
+         * candidates, each then tested exactly). */
+        vi cand[PER], any = vi_set(0);
         for (int c = 0; c < PER; c++) {
             const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
-            /* Per token: noise above g = best - s needs a word below about
-             * 2^32 exp(-g) (noise_bound, here in vector form). */
             vf g = best - s[c];
             g = vsel(g > 0.0f, g, vf_set(0.0f));
-            vf lim = vexp2(g * -SF_LOG2E) * 8589934592.0f + 4096.0f;
-            vi cand = keep[c] & (__builtin_convertvector(word, vf) < lim);
-            if (!vany(cand)) continue;
+            vf lim = vexp2_up(g * -SF_LOG2E) * 8589934592.0f + 4096.0f;
+            cand[c] = keep[c] & (__builtin_convertvector(word, vf) < lim);
+            any |= cand[c];
+        }
+        if (!vany(any)) continue;
+        for (int c = 0; c < PER; c++) {
+            const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
+            if (!vany(cand[c])) continue;
             for (int j = 0; j < SF_W; j++) {
-                if (!cand[j]) continue;
+                if (!cand[c][j]) continue;
                 const int64_t id = i0 + c * SF_W + j;
                 float key = SF_FADD(s[c][j], sf_gumbel(word[j]));
                 if (key > best || (key == best && id < best_id)) {

@@ -21,6 +21,10 @@
 #define SF_W 4
 #endif
 
+#if SF_W == 16
+#include <immintrin.h>
+#endif
+
 #define SF_VEC(t) __attribute__((vector_size(SF_W * sizeof(t))))
 typedef float vf SF_VEC(float);
 typedef int32_t vi SF_VEC(int32_t);
@@ -55,6 +59,27 @@ SF_INLINE int vany(vi m) {
     vi4 b = m;
 #endif
     return (b[0] | b[1] | b[2] | b[3]) != 0;
+}
+
+/* The largest lane, by the same halving tree (NaN-free inputs). */
+#define SF_VMAX(t, it, a, b) ((t)(((it)((a) > (b)) & (it)(a)) | (~(it)((a) > (b)) & (it)(b))))
+SF_INLINE float vhmax(vf x) {
+    typedef float vf4 __attribute__((vector_size(16)));
+#if SF_W == 16
+    typedef float vf8 __attribute__((vector_size(32)));
+    typedef int32_t vi8 __attribute__((vector_size(32)));
+    vf8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7),
+        b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    a = SF_VMAX(vf8, vi8, a, b);
+    vf4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif SF_W == 8
+    vf4 c = __builtin_shufflevector(x, x, 0, 1, 2, 3), d = __builtin_shufflevector(x, x, 4, 5, 6, 7);
+#else
+    vf4 c = x, d = x;
+#endif
+    c = SF_VMAX(vf4, vi4, c, d);
+    float m = c[0] > c[1] ? c[0] : c[1], n = c[2] > c[3] ? c[2] : c[3];
+    return m > n ? m : n;
 }
 
 SF_INLINE vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
@@ -100,8 +125,34 @@ SF_INLINE vf vexp2(vf y) {
     return vsel(low, vf_set(0.0f), e);
 }
 
+/* An upper bound of 2^y, 2^floor(y) (1 + frac(y)) (the chord of a convex
+ * function, at most 6% above it), read off the bits of y 2^23 + 127 2^23
+ * (truncating toward zero only raises it); y below -126 (or -inf) counts as
+ * -126. */
+SF_INLINE vf vexp2_up(vf y) {
+    y = vsel(y > -126.0f, y, vf_set(-126.0f));
+    return (vf)(__builtin_convertvector(y * 8388608.0f, vi) + 0x3F800000);
+}
+
+/* hi and lo words of a * k, lane by lane: the even and the odd lanes seen as
+ * 64-bit lanes with their upper halves cleared, so that each product is one
+ * 32 x 32 -> 64 multiply (pmuludq) rather than a 64-bit one. */
+SF_INLINE void vmulhilo(vu a, uint32_t k, vu *hi, vu *lo) {
+    typedef uint64_t vq2 __attribute__((vector_size(SF_W * 4)));
+    const vq2 low = (vq2){0} + 0xFFFFFFFFull;
+#if SF_W == 16 /* GCC picks the slower 64-bit vpmullq here: ask for vpmuludq */
+    const __m512i kk = _mm512_set1_epi64((long long)k);
+    const vq2 even = (vq2)_mm512_mul_epu32((__m512i)a, kk);
+    const vq2 odd = (vq2)_mm512_mul_epu32(_mm512_srli_epi64((__m512i)a, 32), kk);
+#else
+    const vq2 x = (vq2)a;
+    const vq2 even = (x & low) * (uint64_t)k, odd = (x >> 32) * (uint64_t)k;
+#endif
+    *hi = (vu)((even >> 32) | (odd & ~low));
+    *lo = (vu)((even & low) | (odd << 32));
+}
+
 /* sf_philox for SF_W counters that differ in their index word. */
-typedef uint64_t vq SF_VEC(uint64_t);
 SF_INLINE void vphilox(uint64_t seed, int64_t position, uint32_t purpose,
                        vu index, vu out[4]) {
     uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
@@ -109,14 +160,13 @@ SF_INLINE void vphilox(uint64_t seed, int64_t position, uint32_t purpose,
     vu c1 = (vu){0} + (uint32_t)((uint64_t)position >> 32);
     vu c2 = (vu){0} + purpose, c3 = index;
     for (int r = 0; r < 10; r++) {
-        vq p0 = __builtin_convertvector(c0, vq) * 0xD2511F53u;
-        vq p1 = __builtin_convertvector(c2, vq) * 0xCD9E8D57u;
-        vu n0 = __builtin_convertvector(p1 >> 32, vu) ^ c1 ^ k0;
-        vu n2 = __builtin_convertvector(p0 >> 32, vu) ^ c3 ^ k1;
-        c1 = __builtin_convertvector(p1, vu);
-        c3 = __builtin_convertvector(p0, vu);
-        c0 = n0;
-        c2 = n2;
+        vu hi0, lo0, hi1, lo1;
+        vmulhilo(c0, 0xD2511F53u, &hi0, &lo0);
+        vmulhilo(c2, 0xCD9E8D57u, &hi1, &lo1);
+        c0 = hi1 ^ c1 ^ k0;
+        c2 = hi0 ^ c3 ^ k1;
+        c1 = lo1;
+        c3 = lo0;
         k0 += 0x9E3779B9u;
         k1 += 0xBB67AE85u;
     }
