@@ -240,17 +240,6 @@ static double mass_bound(const sf_row *r) {
 /* No Philox word gives Gumbel noise above this (sf_gumbel of word 0). */
 #define SF_GUMBEL_MAX 23.0f
 
-/* A Philox word at or above this cannot give Gumbel noise above g:
- * G(w) > g needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g)) < exp(-g).
- * Doubled, plus slack, to stay safe against rounding; only speed depends on
- * it. */
-static inline uint32_t noise_bound(float g) {
-    if (!(g > 1.0f)) return UINT32_MAX;
-    if (g > SF_GUMBEL_MAX) return 0;
-    float u = sf_exp2(-g * SF_LOG2E);
-    return (uint32_t)(u * 8589934592.0f) + 4096u; /* 2 u 2^32 */
-}
-
 static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) {
     /* 64 tokens at a time: 16 Philox blocks give their noise words (see
      * sf_noise_word), computed SF_W blocks per vector call. */
@@ -273,17 +262,17 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
             smax = vsel(s[c] > smax, s[c], smax);
         }
         /* A token's key is s + G with G <= SF_GUMBEL_MAX. */
-        const uint32_t bound = noise_bound(best - vhmax(smax));
-        if (bound == 0) continue;
+        if (best - vhmax(smax) > SF_GUMBEL_MAX) continue;
         vu w[CALLS][4];
         for (int h = 0; h < CALLS; h++)
             vphilox(seed, position, SF_PURPOSE_NOISE,
                     (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)), w[h]);
         /* Chunk c holds tokens i0 + c SF_W ..: word (c SF_W) / 16 of the
          * call covering lanes (c SF_W) % 16 onwards. Per token: noise above
-         * g = best - s needs a word below about 2^32 exp(-g) (noise_bound in
-         * vector form, with the chord's upper bound of the exp: a few more
-         * candidates, each then tested exactly). */
+         * g = best - s needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g))
+         * < exp(-g): a word below 2^32 exp(-g). The limit is doubled, plus
+         * slack for rounding, and the exp taken from the chord's upper bound:
+         * only a few more candidates, each then tested exactly. */
         vi cand[PER], any = vi_set(0);
         for (int c = 0; c < PER; c++) {
             const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
