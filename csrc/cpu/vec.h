@@ -184,7 +184,6 @@ SF_INLINE vf vresid(vf b, float scale, vf q) {
  * split into two exact 20-bit halves that int32 lanes convert and add. Either
  * way the total is the same integer. */
 #if defined(__AVX512DQ__) && SF_W == 16
-#include <immintrin.h>
 /* Intrinsics, not vector extensions: GCC splits a converted half into four
  * 128-bit conversions, which made this the costliest step of a mass pass. */
 typedef struct { __m512i a, b; } vmass;
