@@ -91,7 +91,9 @@ struct sf_cu_rows_args {
  * and the most shared memory a block stages a slice of a row in. */
 #define SF_CU_CLUSTER 8
 #define SF_CU_STAGE_MAX (96 * 1024)
-#define SF_CU_MIN_BLOCKS 3 /* resident blocks per SM the registers must allow */
+#ifndef SF_CU_MIN_BLOCKS /* resident blocks per SM the registers must allow */
+#define SF_CU_MIN_BLOCKS 3
+#endif
 
 #define SF_PHASE_PARAMS 0
 #define SF_PHASE_DRAFT 1
