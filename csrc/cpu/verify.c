@@ -108,7 +108,9 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                         accepted = ch;
                         break;
                     }
-                    st = sf_dist_mass(&d, c->k, s, next_row);
+                    /* No prefetch of the child's row here: the bound could not
+                     * accept, so the draft is most likely rejected. */
+                    st = sf_dist_mass(&d, c->k, s, NULL);
                     if (st != SF_OK) return st;
                     have_mass = 1;
                 }
