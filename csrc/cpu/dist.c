@@ -348,16 +348,15 @@ sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const voi
 
 int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
                           const void *next) {
-    const double one = 1099511627776.0; /* 2^40: the weight of the row's max */
     uint64_t w = sf_weight_at(&d->row, &d->in, x);
     if (d->known_total) /* the exact test, as sf_dist_prob makes it */
         return uq < (double)w / (double)d->known_total;
-    /* The total is at least one: no bound can accept then. */
-    if (!(uq * one < (double)w)) return 0;
+    /* The total is at least the max's weight, 2^40: no bound can accept then. */
+    if (!(uq * SF_MASS_ONE < (double)w)) return 0;
     sf_row r = d->row;
     r.next = next;
     /* The margin covers the float sums and exp2's error many times over. */
-    double up = mass_bound_all(k, &r) * 1.001 * one + 1.0;
+    double up = mass_bound_all(k, &r) * 1.001 * SF_MASS_ONE + 1.0;
     return uq * up < (double)w;
 }
 
@@ -400,7 +399,7 @@ void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
 
 sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
                                int more) {
-    sf_weights_in in = {d->in.base, (float)(1099511627776.0 / (double)d->total), q, 0, 0};
+    sf_weights_in in = {d->in.base, (float)(SF_MASS_ONE / (double)d->total), q, 0, 0};
     float *out = more ? d->resid[d->resid_next] : NULL;
     sf_weights_out o;
     weights_all(k, &d->row, &in, d->blocks, out, &o);

@@ -189,9 +189,9 @@ static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
 }
 
 /* An upper bound of the row's mass: vexp2_up instead of the exact exp2 and
- * fixed-point sums, a few operations a token. Each lane adds at most SF_BOUND_BLOCK / SF_W / 2 + 1 floats (a relative
- * error under 4e-5 at every width; callers allow 1e-3), blocks are summed
- * in double. */
+ * fixed-point sums, a few operations a token. Each lane adds at most
+ * SF_BOUND_BLOCK / SF_W / 2 + 1 floats (a relative error under 4e-5 at every
+ * width; callers allow 1e-3), blocks are summed in double. */
 #define SF_BOUND_BLOCK 4096
 
 static inline __attribute__((always_inline)) vf bound_e(const sf_row *r, vf x, int cut) {

@@ -125,10 +125,7 @@ SF_INLINE vf vexp2(vf y) {
     return vsel(low, vf_set(0.0f), e);
 }
 
-/* An upper bound of 2^y, 2^floor(y) (1 + frac(y)) (the chord of a convex
- * function, at most 6% above it), read off the bits of y 2^23 + 127 2^23
- * (truncating toward zero only raises it); y below -126 (or -inf) counts as
- * -126. */
+/* sf_exp2_up (an upper bound of 2^y), lane by lane. */
 SF_INLINE vf vexp2_up(vf y) {
     y = vsel(y > -126.0f, y, vf_set(-126.0f));
     return (vf)(__builtin_convertvector(y * 8388608.0f, vi) + 0x3F800000);
@@ -189,7 +186,7 @@ SF_INLINE vf vresid(vf b, float scale, vf q) {
 typedef struct { __m512i a, b; } vmass;
 SF_INLINE vmass vmass_zero(void) { return (vmass){_mm512_setzero_si512(), _mm512_setzero_si512()}; }
 SF_INLINE void vmass_add(vmass *m, vf r) {
-    __m512 s = (__m512)(r * 1099511627776.0f);
+    __m512 s = (__m512)(r * SF_MASS_ONE);
     m->a = _mm512_add_epi64(m->a, _mm512_cvttps_epu64(_mm512_castps512_ps256(s)));
     m->b = _mm512_add_epi64(m->b, _mm512_cvttps_epu64(_mm512_extractf32x8_ps(s, 1)));
 }

@@ -335,9 +335,7 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
 }
 
 /* An upper bound of the row's mass over 2^40 (kernels_impl.h's mass_bound):
- * 2^y <= 2^floor(y) (1 + frac(y)), the chord of a convex function, read off
- * the bits of y 2^23 + 127 2^23 (truncating toward zero only raises it);
- * eight tokens summed in float, the rest in double. */
+ * sf_exp2_up per token, eight tokens summed in float, the rest in double. */
 template <int DT>
 __device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
     const bool cut = r.cut_logit > -INFINITY;
@@ -348,9 +346,7 @@ __device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
         float acc = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            float y = SF_FMUL(SF_FSUB(x[j], r.max), r.c);
-            y = y > -126.0f ? y : -126.0f; /* and -inf */
-            float e = sf_u2f((uint32_t)((int32_t)SF_FMUL(y, 8388608.0f) + 0x3F800000));
+            float e = sf_exp2_up(SF_FMUL(SF_FSUB(x[j], r.max), r.c));
             if (cut && !(x[j] >= r.cut_logit)) e = 0.0f;
             acc += e;
         }
@@ -660,7 +656,7 @@ __device__ int sf_cu_reject_dense(sf_cu_dist &d, const sf_cu_span &sp, const flo
                                   float *resid2, bool more, uint64_t *tiles, int ntiles) {
     const int64_t n = sp.n;
     const sf_cu_in old = {d.base, d.scale, d.q};
-    const sf_cu_in in = {d.base, (float)(1099511627776.0 / (double)d.total), q};
+    const sf_cu_in in = {d.base, (float)(SF_MASS_ONE / (double)d.total), q};
     float *out = more ? resid2 + (int64_t)d.resid_next * n : NULL;
     int q_bad;
     uint64_t q_mass;
@@ -751,8 +747,6 @@ __device__ float sf_cu_draft_prob(const sf_cu_verify_args &a, int64_t node, int3
     }
     return 1.0f;
 }
-
-#define SF_CU_ONE 1099511627776.0 /* 2^40: the weight of the row's max */
 
 /* The exact mass of d's row (fresh from sf_cu_prepare) into d.total and tiles. */
 template <int DT>
@@ -887,7 +881,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                     s_uq = u * (double)qx;
                     s_w = w;
                     /* No bound can accept where the total is at least one max's weight. */
-                    s_try = ok && qx > 0.0f && !have_mass && s_uq * SF_CU_ONE < (double)w;
+                    s_try = ok && qx > 0.0f && !have_mass && s_uq * SF_MASS_ONE < (double)w;
                 }
                 __syncthreads();
                 const int bad_q = s_flag, try_bound = s_try;
@@ -897,7 +891,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                 if (bad_q < 0) { st = SF_ERR_DRAFT_PROBS; break; }
                 if (try_bound) {
                     /* The margin covers the float sums and exp2's error many times over. */
-                    const double up = sf_cu_pass_bound<DT>(d.r, sp) * 1.001 * SF_CU_ONE + 1.0;
+                    const double up = sf_cu_pass_bound<DT>(d.r, sp) * 1.001 * SF_MASS_ONE + 1.0;
                     if (uq * up < (double)w) { accepted = ch; break; }
                 }
                 if (!have_mass) {
@@ -984,13 +978,11 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
             if (!out && a.method == SF_COUPLED) {
                 tok = sf_cu_coupled<DT>(r, sp, p.seed, p.position);
             } else {
-                const sf_cu_in in0 = {NULL, 1.0f, NULL};
-                uint64_t total = sf_cu_pass_weights<DT>(r, sp, in0, NULL, tiles, ntiles, NULL, NULL);
-                if (threadIdx.x == 0) d.total = total;
-                __syncthreads();
+                sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
                 if (out) {
                     /* sample.c's probs_one: each kept token's e, then its exact weight. */
-                    const double inv = 1.0 / (double)total;
+                    const sf_cu_in in0 = {NULL, 1.0f, NULL};
+                    const double inv = 1.0 / (double)d.total;
                     const bool cut = sf_cu_cut_active(r);
                     for (int t = 0; t < ntiles; t++) {
                         const int64_t i0 = (int64_t)t * SF_CU_TILE + threadIdx.x * 8;

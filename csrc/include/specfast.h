@@ -85,16 +85,17 @@ typedef struct sf_logits {
     int64_t row_stride;
 } sf_logits;
 
+/* The largest temperature: above it, logits - max can overflow float for
+ * tokens whose weight exp((logit - max) / T) is still representable; up to it
+ * such a token weighs exactly 0, as in float64. */
+#define SF_MAX_TEMPERATURE 1e30f
+
 /* Sampling parameters, one value per request or one value for all: each
  * pointer addresses `n_*` values and n_* is 1 (broadcast) or the batch size.
  * 0 <= temperature <= SF_MAX_TEMPERATURE (0 is greedy); top_k >= 0 (0 keeps
- * all); 0 < top_p <= 1; 0 <= min_p <= 1. position is the absolute index in the sequence of the token
- * that a request's first row predicts; it keys the random streams. */
-/* Above this, logits - max can overflow float for tokens whose weight
- * exp((logit - max) / T) is still representable; up to it such a token
- * weighs exactly 0, as in float64. */
-#define SF_MAX_TEMPERATURE 1e30f
-
+ * all); 0 < top_p <= 1; 0 <= min_p <= 1. position is the absolute index in
+ * the sequence of the token that a request's first row predicts; it keys the
+ * random streams. */
 typedef struct sf_params {
     const float *temperature; int64_t n_temperature;
     const int32_t *top_k;     int64_t n_top_k;

@@ -2,9 +2,10 @@
 
 Imported lazily: ``import specfast`` never needs llama-cpp-python. One
 llama.cpp context of the adapter's own holds one sequence per request
-(sequence id = row) in a unified KV cache, evaluated with the low-level batch API so all rows of a step run in one
-``llama_decode``; rolling back is ``llama_memory_seq_rm`` past the verified
-prefix. Logits are requested for every appended token.
+(sequence id = row) in a unified KV cache, evaluated with the low-level batch
+API so all rows of a step run in one ``llama_decode``; rolling back is
+``llama_memory_seq_rm`` past the verified prefix. Logits are requested for
+every appended token.
 
 Tested with llama-cpp-python 0.3.36 (``tests/test_llama_cpp.py``, which skips
 where the package is not installed). Its batched forward rounds differently
