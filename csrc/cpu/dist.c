@@ -92,12 +92,12 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
     const size_t off = (size_t)lo * sf_dtype_size(r->dtype);
     sf_row sub = *r;
     sub.data = (const char *)r->data + off;
-    sub.next = r->next ? (const char *)r->next + off : NULL;
+    sub.next = r->next ? (const char *)r->next + lo * r->next_es : NULL;
     sub.vocab = n;
     if (c->bound)
         c->mass[part] = c->k->mass_bound(&sub);
     else
-        c->max[part] = c->k->row_max(sub.data, sub.dtype, n, &c->bad[part]);
+        c->max[part] = c->k->row_max(&sub, &c->bad[part]);
     return SF_OK;
 }
 
@@ -111,13 +111,11 @@ static int range_split(range_ctx *c) {
     return sf_parallel_split(parts, range_part, c);
 }
 
-static float row_max_all(const sf_kernels *k, const void *data, sf_dtype dtype,
-                         int64_t vocab, int *bad) {
-    sf_row r = {.data = data, .dtype = dtype, .vocab = vocab};
-    range_ctx c = {.k = k, .row = &r};
-    if (!range_split(&c)) return k->row_max(data, dtype, vocab, bad);
+static float row_max_all(const sf_kernels *k, const sf_row *r, int *bad) {
+    range_ctx c = {.k = k, .row = r};
+    if (!range_split(&c)) return k->row_max(r, bad);
     float m = -INFINITY;
-    for (int i = 0; i < SF_MAX_SPLIT && i * c.per < vocab; i++) {
+    for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) {
         if (c.max[i] > m) m = c.max[i];
         *bad |= c.bad[i];
     }
@@ -237,7 +235,8 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
 sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
                         int64_t vocab, int32_t *token) {
     int bad = 0;
-    float m = k->row_max(data, dtype, vocab, &bad);
+    const sf_row r = {.data = data, .dtype = dtype, .vocab = vocab};
+    float m = k->row_max(&r, &bad);
     if (bad) return SF_ERR_LOGITS;
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     *token = (int32_t)k->row_argmax(data, dtype, vocab, m);
@@ -246,7 +245,7 @@ sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
 
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
-                          const sf_rowparams *p, int need_mass, const void *next) {
+                          const sf_rowparams *p, int need_mass, sf_ahead ahead) {
     sf_row *r = &d->row;
     r->data = data;
     r->dtype = dtype;
@@ -258,6 +257,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;
     r->next = NULL;
+    r->next_es = 0;
 
     int bad = 0;
     float m;
@@ -282,7 +282,10 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         }
         r->max = m;
     } else {
-        m = row_max_all(k, data, dtype, vocab, &bad);
+        r->next = ahead.data;
+        r->next_es = ahead.es;
+        m = row_max_all(k, r, &bad);
+        r->next = NULL;
         if (bad) return SF_ERR_LOGITS;
         if (m == -INFINITY) return SF_ERR_ALL_MASKED;
         r->max = m;
@@ -323,10 +326,10 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     d->n_over = 0;
     d->resid_next = 0;
     d->total = 0;
-    return need_mass ? sf_dist_mass(d, k, s, next) : SF_OK;
+    return need_mass ? sf_dist_mass(d, k, s, (sf_ahead){NULL, 0}) : SF_OK;
 }
 
-sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const void *next) {
+sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead ahead) {
     sf_row *r = &d->row;
     size_t nb = (size_t)((r->vocab + SF_BLOCK - 1) / SF_BLOCK);
     d->blocks = sf_scratch_get(s, SF_SLOT_BLOCKS, nb * 8);
@@ -335,7 +338,8 @@ sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const voi
      * residual passes then read it instead of recomputing the exp. */
     float *keep_e = d->resid[0];
     sf_weights_out o;
-    r->next = next;
+    r->next = ahead.data;
+    r->next_es = ahead.es;
     weights_all(k, r, &d->in, d->blocks, keep_e, &o);
     r->next = NULL;
     d->total = o.total;
@@ -347,14 +351,15 @@ sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const voi
 }
 
 int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
-                          const void *next) {
+                          sf_ahead ahead) {
     uint64_t w = sf_weight_at(&d->row, &d->in, x);
     if (d->known_total) /* the exact test, as sf_dist_prob makes it */
         return uq < (double)w / (double)d->known_total;
     /* The total is at least the max's weight, 2^40: no bound can accept then. */
     if (!(uq * SF_MASS_ONE < (double)w)) return 0;
     sf_row r = d->row;
-    r.next = next;
+    r.next = ahead.data;
+    r.next_es = ahead.es;
     /* The margin covers the float sums and exp2's error many times over. */
     double up = mass_bound_all(k, &r) * 1.001 * SF_MASS_ONE + 1.0;
     return uq * up < (double)w;
@@ -398,11 +403,14 @@ void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
 }
 
 sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
-                               int more) {
+                               int more, sf_ahead ahead) {
     sf_weights_in in = {d->in.base, (float)(SF_MASS_ONE / (double)d->total), q, 0, 0};
     float *out = more ? d->resid[d->resid_next] : NULL;
     sf_weights_out o;
-    weights_all(k, &d->row, &in, d->blocks, out, &o);
+    sf_row r = d->row;
+    r.next = ahead.data;
+    r.next_es = ahead.es;
+    weights_all(k, &r, &in, d->blocks, out, &o);
     /* q must sum to 1 within 1e-3 where the pass read it whole. */
     const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
     if (o.q_bad || (o.q_mass != UINT64_MAX && (o.q_mass > one + tol || o.q_mass + tol < one)))

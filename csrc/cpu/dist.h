@@ -28,6 +28,13 @@ typedef struct sf_dist {
 } sf_dist;
 
 
+/* Memory a pass over a row prefetches alongside (data NULL: none), `es`
+ * bytes per token of the row: the next row to read, or a draft's q row. */
+typedef struct sf_ahead {
+    const void *data;
+    int64_t es;
+} sf_ahead;
+
 /* Row `row` of the logits. */
 static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
     return (const char *)l->data +
@@ -37,22 +44,22 @@ static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
 /* Reads a row's max and finds the cut of its filters (temperature > 0).
  * With need_mass, also forms its weights, total and block sums in `d`; when
  * d->resid[0] is set, the weights are stored there and read from it after.
- * `next` (or NULL) is a row to prefetch meanwhile.
+ * The max pass prefetches the first half of `ahead`.
  * Returns SF_ERR_LOGITS or SF_ERR_ALL_MASKED for a bad row. */
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
-                          const sf_rowparams *p, int need_mass, const void *next);
+                          const sf_rowparams *p, int need_mass, sf_ahead ahead);
 
 /* Forms the weights, total and block sums of a prepared row (what
- * sf_dist_prepare's need_mass does). */
-sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, const void *next);
+ * sf_dist_prepare's need_mass does), prefetching `ahead`. */
+sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead ahead);
 
 /* 1 when u q(x) < p(x) holds for sure before (and instead of) forming the
  * row's mass: from its exact total when the top-k candidates gave it, else
  * from a bound (uq * bound < w(x) implies uq < w(x) / total). 0 says nothing.
  * The row is prepared, its mass not formed, nothing rejected. */
 int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
-                          const void *next);
+                          sf_ahead ahead);
 
 /* Greedy token of a row (the first largest logit), or an error status. */
 sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
@@ -69,7 +76,7 @@ void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
 /* The residual after rejecting a sibling drawn from the dense q row; `more`
  * says whether later siblings will need it as a base. Validates q. */
 sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
-                               int more);
+                               int more, sf_ahead ahead);
 
 /* Inverse-CDF draw of one token with Philox at (seed, position, DRAW). */
 int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,

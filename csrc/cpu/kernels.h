@@ -26,9 +26,11 @@ typedef struct sf_row {
     float cut_logit;
     int32_t cut_id;
     float min_e;
-    /* A row the caller will likely read next (or NULL): a weights pass over
-     * this row prefetches it, so its max pass reads from cache. */
+    /* Data the caller will likely read next (or NULL), `next_es` bytes per
+     * token of this row: a pass over the row prefetches it alongside, so
+     * that memory is read while the pass computes. */
     const void *next;
+    int64_t next_es;
 } sf_row;
 
 /* Where a weights pass takes its base values b(v): from the row (b = e when
@@ -54,8 +56,9 @@ typedef struct sf_weights_out {
 
 typedef struct sf_kernels {
     const char *name;
-    /* Largest logit; *bad is set when a NaN or +inf is met. */
-    float (*row_max)(const void *row, sf_dtype dtype, int64_t vocab, int *bad);
+    /* Largest logit of row->data (its dtype and vocab); *bad is set when a
+     * NaN or +inf is met. Prefetches the first half of row->next. */
+    float (*row_max)(const sf_row *row, int *bad);
     /* First index whose logit equals `max` (the row's largest). */
     int64_t (*row_argmax)(const void *row, sf_dtype dtype, int64_t vocab,
                           float max);
@@ -66,8 +69,7 @@ typedef struct sf_kernels {
                     uint64_t *blocks, float *resid, sf_weights_out *out);
     /* An upper bound on the sum of e over the tokens with a logit at or
      * above cut_logit (min_e not applied): at least the exact total weight /
-     * 2^40, about 6% above it at most. Prefetches row->next as a weights pass
-     * does. */
+     * 2^40, about 6% above it at most. */
     double (*mass_bound)(const sf_row *row);
     /* Gumbel-max over the kept tokens: argmax of (l - max) * inv_t + G(v),
      * G from Philox at (seed, position, NOISE, v / 4); lowest id on ties. */

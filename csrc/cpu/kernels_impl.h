@@ -30,13 +30,18 @@ static inline __attribute__((always_inline)) vf load_floats(const float *p, int6
     return x;
 }
 
-static float row_max(const void *row, sf_dtype dtype, int64_t n, int *bad) {
+static float row_max(const sf_row *r, int *bad) {
     /* Two chains of maxima, so that the compare latency overlaps. A NaN never
      * wins a compare, so it is flagged apart; +inf shows as the max. */
+    const void *row = r->data;
+    const sf_dtype dtype = r->dtype;
+    const int64_t n = r->vocab;
     vf m0 = vf_set(-INFINITY), m1 = m0;
     vi nan = vi_set(0);
     int64_t i = 0;
     for (; i + 2 * SF_W <= n; i += 2 * SF_W) {
+        /* The first half of r->next, at half the pace of this pass. */
+        if (r->next) __builtin_prefetch((const char *)r->next + i / 2 * r->next_es, 0, 3);
         vf x0 = load_chunk(row, dtype, i, n), x1 = load_chunk(row, dtype, i + SF_W, n);
         m0 = vsel(x0 > m0, x0, m0);
         m1 = vsel(x1 > m1, x1, m1);
@@ -47,13 +52,13 @@ static float row_max(const void *row, sf_dtype dtype, int64_t n, int *bad) {
         m0 = vsel(x > m0, x, m0);
         nan |= x != x;
     }
-    float r = -INFINITY;
+    float m = -INFINITY;
     for (int j = 0; j < SF_W; j++) {
-        r = m0[j] > r ? m0[j] : r;
-        r = m1[j] > r ? m1[j] : r;
+        m = m0[j] > m ? m0[j] : m;
+        m = m1[j] > m ? m1[j] : m;
     }
-    *bad = vany(nan) || r == INFINITY;
-    return r;
+    *bad = vany(nan) || m == INFINITY;
+    return m;
 }
 
 static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max) {
@@ -86,7 +91,6 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     const int64_t n = r->vocab;
     const float scale = in->scale;
     const int64_t first = in->first_block;
-    const int64_t es = r->dtype == SF_F32 ? 4 : 2;
     int64_t stop = (n + SF_BLOCK - 1) / SF_BLOCK;
     if (in->n_blocks > 0 && first + in->n_blocks < stop) stop = first + in->n_blocks;
     if (store) resid -= first * SF_BLOCK;
@@ -102,9 +106,8 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
             /* Which q values are checked: all of them, or under a cut those
              * of kept tokens only (so the vector width cannot matter). */
             vi checked = vi_set(-1);
+            if (r->next) __builtin_prefetch((const char *)r->next + i * r->next_es, 0, 3);
             if (from_row) {
-                if (r->next)
-                    __builtin_prefetch((const char *)r->next + i * es, 0, 2);
                 vf x = load_chunk(r->data, r->dtype, i, n);
                 if (cut) {
                     vi keep = above_cut(r, x, i);
@@ -217,14 +220,13 @@ static inline __attribute__((always_inline)) vf bound_block(const sf_row *r, sf_
 
 static double mass_bound(const sf_row *r) {
     const int64_t n = r->vocab;
-    const int64_t es = r->dtype == SF_F32 ? 4 : 2;
     const int cut = r->cut_logit > -INFINITY;
     double total = 0.0;
     for (int64_t b0 = 0; b0 < n; b0 += SF_BOUND_BLOCK) {
         const int64_t end = b0 + SF_BOUND_BLOCK < n ? b0 + SF_BOUND_BLOCK : n;
         if (r->next)
-            for (int64_t i = b0; i < end; i += 64 / es)
-                __builtin_prefetch((const char *)r->next + i * es, 0, 2);
+            for (int64_t i = b0; i < end; i += 64 / r->next_es)
+                __builtin_prefetch((const char *)r->next + i * r->next_es, 0, 3);
         vf acc;
         if (r->dtype == SF_F32)
             acc = cut ? bound_block(r, SF_F32, 1, b0, end) : bound_block(r, SF_F32, 0, b0, end);
@@ -250,6 +252,9 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
     int64_t best_id = row_argmax(r->data, r->dtype, n, r->max);
     float best = sf_gumbel(sf_noise_word(seed, position, best_id));
     for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 64) {
+        if (r->next)
+            for (int64_t b = 0; b < 64 * r->next_es; b += 64)
+                __builtin_prefetch((const char *)r->next + i0 * r->next_es + b, 0, 3);
         vf s[PER];
         vi keep[PER];
         vf smax = vf_set(-INFINITY);

@@ -76,9 +76,12 @@ static int wanted_threads(void) {
 }
 
 static void run_job(sf_job *j, sf_scratch *s) {
-    for (;;) {
-        int64_t i = atomic_fetch_add(&j->next, 1);
-        if (i >= j->n) return;
+    /* Each thread claims its next item before running the current one, so
+     * the task can prefetch that item's data while it computes. */
+    int64_t i = atomic_fetch_add(&j->next, 1);
+    while (i < j->n) {
+        const int64_t after = atomic_fetch_add(&j->next, 1);
+        if (s) s->upcoming = after < j->n ? after : -1;
         sf_status st = j->fn(j->ctx, i, s);
         if (st != SF_OK) {
             pthread_mutex_lock(&P.mu);
@@ -93,6 +96,7 @@ static void run_job(sf_job *j, sf_scratch *s) {
             pthread_cond_broadcast(&P.done);
             pthread_mutex_unlock(&P.mu);
         }
+        i = after;
     }
 }
 

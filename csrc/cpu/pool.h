@@ -13,6 +13,7 @@
 typedef struct sf_scratch {
     void *buf[8];
     size_t cap[8];
+    int64_t upcoming; /* the item this thread runs next, or -1 */
 } sf_scratch;
 
 /* Slots of sf_scratch, each grown on demand by sf_scratch_get. */

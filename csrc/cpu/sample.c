@@ -21,7 +21,8 @@ static sf_status sample_one(void *arg, int64_t b, sf_scratch *s) {
         return sf_row_greedy(c->k, row, c->logits->dtype, c->logits->vocab, &c->tokens[b]);
     sf_dist d = {.n_over = 0};
     sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype,
-                                   c->logits->vocab, &p, c->method == SF_REJECTION, NULL);
+                                   c->logits->vocab, &p, c->method == SF_REJECTION,
+                                   (sf_ahead){NULL, 0});
     if (st != SF_OK) return st;
     c->tokens[b] = c->method == SF_COUPLED
                        ? (int32_t)c->k->coupled_argmax(&d.row, p.seed, p.position)
@@ -45,7 +46,8 @@ static sf_status probs_one(void *arg, int64_t b, sf_scratch *s) {
         return SF_OK;
     }
     sf_dist d = {.n_over = 0};
-    sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1, NULL);
+    sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1,
+                                   (sf_ahead){NULL, 0});
     if (st != SF_OK) return st;
     /* The pass stores each kept token's e; its weight is then exact. */
     sf_weights_out o;

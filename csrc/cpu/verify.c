@@ -69,12 +69,22 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
         d.resid[1] = r + vocab;
     }
 
+    /* What this thread reads after this request: the next request's first
+     * row. The passes that end a request prefetch it. */
+    const int64_t es = sf_dtype_size(c->logits->dtype);
+    const sf_ahead upcoming = {
+        s->upcoming >= 0 ? sf_row_ptr(c->logits, c->node_off[s->upcoming] + s->upcoming)
+                         : NULL, es};
+
     int32_t cur = -1, depth = 0;
     for (;;) {
         const void *row = sf_row_ptr(c->logits, row0 + cur + 1);
         /* The first child's row is next if it is accepted. */
-        const void *next_row =
-            first[cur + 1] >= 0 ? sf_row_ptr(c->logits, row0 + first[cur + 1] + 1) : NULL;
+        const sf_ahead child = {
+            first[cur + 1] >= 0 ? sf_row_ptr(c->logits, row0 + first[cur + 1] + 1) : NULL, es};
+        /* What the row's first passes fetch: the child's row, or at a leaf
+         * the next request's. */
+        const sf_ahead ahead = child.data ? child : upcoming;
         /* Deeper rows' positions wrap modulo 2^64, as the Philox counter. */
         const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth);
         int32_t accepted = -1, emit = -1;
@@ -84,7 +94,11 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
             if (p.temperature == 0.0f) {
                 st = sf_row_greedy(c->k, row, c->logits->dtype, vocab, &emit);
             } else {
-                st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, NULL);
+                st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, ahead);
+                /* The noise pass computes more than it reads: it fetches the
+                 * rest meanwhile. */
+                d.row.next = ahead.data;
+                d.row.next_es = ahead.es;
                 if (st == SF_OK) emit = (int32_t)c->k->coupled_argmax(&d.row, p.seed, pos);
             }
             if (st != SF_OK) return st;
@@ -93,7 +107,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
         } else {
             /* The mass is formed only when needed: most accepted first
              * children are accepted from a bound on it. */
-            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, NULL);
+            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, ahead);
             if (st != SF_OK) return st;
             int have_mass = 0;
             uint32_t j = 0;
@@ -104,13 +118,16 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 if (!(qx >= 0.0f && qx <= 1.001f)) return SF_ERR_DRAFT_PROBS;
                 double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
                 if (!have_mass) {
-                    if (qx > 0.0f && sf_dist_bound_accepts(&d, c->k, u * (double)qx, x, next_row)) {
+                    if (qx > 0.0f && sf_dist_bound_accepts(&d, c->k, u * (double)qx, x, child)) {
                         accepted = ch;
                         break;
                     }
-                    /* No prefetch of the child's row here: the bound could not
-                     * accept, so the draft is most likely rejected. */
-                    st = sf_dist_mass(&d, c->k, s, NULL);
+                    /* The bound could not accept, so the draft is most likely
+                     * rejected: what comes next is its q row (dense) or the
+                     * next request. */
+                    const sf_ahead q_row = {dr->kind == SF_DRAFT_DENSE ? dr->dense + node * vocab
+                                                                       : NULL, 4};
+                    st = sf_dist_mass(&d, c->k, s, q_row.data ? q_row : upcoming);
                     if (st != SF_OK) return st;
                     have_mass = 1;
                 }
@@ -119,8 +136,10 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                     break;
                 }
                 if (dr->kind == SF_DRAFT_DENSE) {
+                    const sf_ahead after = next[ch] >= 0
+                        ? (sf_ahead){dr->dense + (node0 + next[ch]) * vocab, 4} : upcoming;
                     st = sf_dist_reject_dense(&d, c->k, dr->dense + node * vocab,
-                                              next[ch] >= 0);
+                                              next[ch] >= 0, after);
                     if (st != SF_OK) return st;
                 } else if (dr->kind == SF_DRAFT_SPARSE) {
                     sf_dist_reject_sparse(&d, dr->sparse_ids + node * dr->sparse_k,
@@ -133,7 +152,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
             }
             if (accepted < 0) {
                 if (!have_mass) { /* a leaf: the bonus token */
-                    st = sf_dist_mass(&d, c->k, s, NULL);
+                    st = sf_dist_mass(&d, c->k, s, upcoming);
                     if (st != SF_OK) return st;
                 }
                 emit = sf_dist_draw(&d, c->k, p.seed, pos);
