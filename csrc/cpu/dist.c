@@ -74,6 +74,7 @@ typedef struct range_ctx {
     const sf_row *row; /* data, dtype, vocab; the row's max for the bound */
     int64_t per;
     int bound;         /* 0: max pass, 1: mass bound */
+    double stop;       /* where the bound may stop */
     float max[SF_MAX_SPLIT];
     int bad[SF_MAX_SPLIT];
     double mass[SF_MAX_SPLIT];
@@ -95,7 +96,7 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
     sub.next = r->next ? (const char *)r->next + lo * r->next_es : NULL;
     sub.vocab = n;
     if (c->bound)
-        c->mass[part] = c->k->mass_bound(&sub);
+        c->mass[part] = c->k->mass_bound(&sub, c->stop);
     else
         c->max[part] = c->k->row_max(&sub, &c->bad[part]);
     return SF_OK;
@@ -122,9 +123,9 @@ static float row_max_all(const sf_kernels *k, const sf_row *r, int *bad) {
     return m;
 }
 
-static double mass_bound_all(const sf_kernels *k, const sf_row *r) {
-    range_ctx c = {.k = k, .row = r, .bound = 1};
-    if (!range_split(&c)) return k->mass_bound(r);
+static double mass_bound_all(const sf_kernels *k, const sf_row *r, double stop) {
+    range_ctx c = {.k = k, .row = r, .bound = 1, .stop = stop};
+    if (!range_split(&c)) return k->mass_bound(r, stop);
     double total = 0.0;
     for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) total += c.mass[i];
     return total;
@@ -360,9 +361,13 @@ int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int3
     sf_row r = d->row;
     r.next = ahead.data;
     r.next_es = ahead.es;
-    /* The margin covers the float sums and exp2's error many times over. */
-    double up = mass_bound_all(k, &r) * 1.001 * SF_MASS_ONE + 1.0;
-    return uq * up < (double)w;
+    /* The margin covers the float sums and exp2's error many times over. A
+     * bound past `stop` cannot accept: the pass ends there (and so does its
+     * prefetch of a row that a rejection leaves unread). */
+    const double stop = ((double)w / uq - 1.0) / (1.001 * SF_MASS_ONE);
+    const double bound = mass_bound_all(k, &r, stop);
+    if (bound > stop) return 0;
+    return uq * (bound * 1.001 * SF_MASS_ONE + 1.0) < (double)w;
 }
 
 static uint64_t weight(const sf_dist *d, int64_t v) {

@@ -48,7 +48,8 @@ typedef struct sf_weights_in {
 
 typedef struct sf_weights_out {
     uint64_t total;   /* sum of w */
-    int64_t kept;     /* tokens with a kept logit (row source only) */
+    int64_t kept;     /* tokens with a kept logit (row source under a cut
+                         only, else 0) */
     uint64_t q_mass;  /* sum of floor(q * 2^40) when q is read whole, else
                          UINT64_MAX */
     int q_bad;        /* a q value negative, NaN or infinite */
@@ -69,8 +70,9 @@ typedef struct sf_kernels {
                     uint64_t *blocks, float *resid, sf_weights_out *out);
     /* An upper bound on the sum of e over the tokens with a logit at or
      * above cut_logit (min_e not applied): at least the exact total weight /
-     * 2^40, about 6% above it at most. */
-    double (*mass_bound)(const sf_row *row);
+     * 2^40, about 6% above it at most. Returns early, with a partial sum
+     * above `stop`, once the sum passes `stop`. */
+    double (*mass_bound)(const sf_row *row, double stop);
     /* Gumbel-max over the kept tokens: argmax of (l - max) * inv_t + G(v),
      * G from Philox at (seed, position, NOISE, v / 4); lowest id on ties. */
     int64_t (*coupled_argmax)(const sf_row *row, uint64_t seed, int64_t position);

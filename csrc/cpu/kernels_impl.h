@@ -125,7 +125,6 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
                     b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
                     checked = keep;
                 } else {
-                    kept -= x > -INFINITY;
                     b = row_e(r, x); /* -inf (and padding) give 0 */
                 }
             } else {
@@ -165,7 +164,7 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     int64_t k = 0;
     for (int j = 0; j < SF_W; j++) k += kept[j];
     out->total = total;
-    out->kept = from_row ? k : 0;
+    out->kept = from_row && cut ? k : 0;
     /* Under a cut only the chunks with kept tokens read q: no full sum. */
     out->q_mass = with_q && !cut ? q_total : UINT64_MAX;
     out->q_bad = vany(qbad);
@@ -218,7 +217,7 @@ static inline __attribute__((always_inline)) vf bound_block(const sf_row *r, sf_
     return acc0 + acc1;
 }
 
-static double mass_bound(const sf_row *r) {
+static double mass_bound(const sf_row *r, double stop) {
     const int64_t n = r->vocab;
     const int cut = r->cut_logit > -INFINITY;
     double total = 0.0;
@@ -235,6 +234,7 @@ static double mass_bound(const sf_row *r) {
         else
             acc = cut ? bound_block(r, SF_F16, 1, b0, end) : bound_block(r, SF_F16, 0, b0, end);
         for (int j = 0; j < SF_W; j++) total += (double)acc[j];
+        if (total > stop) break;
     }
     return total;
 }

@@ -21,7 +21,7 @@
 #define SF_W 4
 #endif
 
-#if SF_W == 16
+#if SF_W >= 8
 #include <immintrin.h>
 #endif
 
@@ -106,11 +106,22 @@ SF_INLINE vf vf16(const uint16_t *p) {
     return (vf)(((vu)is0 & sub) | ((vu)is31 & special) | (~(vu)(is0 | is31) & normal));
 }
 
+/* max(y, lo) for y not NaN: one instruction where the level has one. */
+SF_INLINE vf vmax_lo(vf y, float lo) {
+#if SF_W == 16
+    return (vf)_mm512_max_ps((__m512)y, _mm512_set1_ps(lo));
+#elif SF_W == 8
+    return (vf)_mm256_max_ps((__m256)y, _mm256_set1_ps(lo));
+#else
+    return vsel(y < lo, vf_set(lo), y);
+#endif
+}
+
 /* sf_exp2, lane by lane. */
 SF_INLINE vf vexp2(vf y) {
     const vf magic = vf_set(12582912.0f);
     vi low = y < SF_EXP2_MIN;
-    vf yc = vsel(low, vf_set(SF_EXP2_MIN), y);
+    vf yc = vmax_lo(y, SF_EXP2_MIN);
     vf t = yc + magic;
     vf n = t - magic;
     vu ni = (vu)t - (vu)magic;
@@ -127,7 +138,7 @@ SF_INLINE vf vexp2(vf y) {
 
 /* sf_exp2_up (an upper bound of 2^y), lane by lane. */
 SF_INLINE vf vexp2_up(vf y) {
-    y = vsel(y > -126.0f, y, vf_set(-126.0f));
+    y = vmax_lo(y, -126.0f);
     return (vf)(__builtin_convertvector(y * 8388608.0f, vi) + 0x3F800000);
 }
 
