@@ -93,7 +93,7 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
     const size_t off = (size_t)lo * sf_dtype_size(r->dtype);
     sf_row sub = *r;
     sub.data = (const char *)r->data + off;
-    sub.next = r->next ? (const char *)r->next + lo * r->next_es : NULL;
+    if (sub.next.data) sub.next.data = (const char *)sub.next.data + lo * sub.next.es;
     sub.vocab = n;
     if (c->bound)
         c->mass[part] = c->k->mass_bound(&sub, c->stop);
@@ -246,7 +246,8 @@ sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
 
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
-                          const sf_rowparams *p, int need_mass, sf_ahead ahead) {
+                          const sf_rowparams *p, int need_mass, sf_ahead next,
+                          float next_until) {
     sf_row *r = &d->row;
     r->data = data;
     r->dtype = dtype;
@@ -257,8 +258,8 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->cut_logit = -INFINITY;
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;
-    r->next = NULL;
-    r->next_es = 0;
+    r->next = (sf_ahead){NULL, 0};
+    r->next_until = INFINITY;
 
     int bad = 0;
     float m;
@@ -283,10 +284,10 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         }
         r->max = m;
     } else {
-        r->next = ahead.data;
-        r->next_es = ahead.es;
+        r->next = next;
+        r->next_until = next_until;
         m = row_max_all(k, r, &bad);
-        r->next = NULL;
+        r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (m == -INFINITY) return SF_ERR_ALL_MASKED;
         r->max = m;
@@ -339,10 +340,9 @@ sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead 
      * residual passes then read it instead of recomputing the exp. */
     float *keep_e = d->resid[0];
     sf_weights_out o;
-    r->next = ahead.data;
-    r->next_es = ahead.es;
+    r->next = ahead;
     weights_all(k, r, &d->in, d->blocks, keep_e, &o);
-    r->next = NULL;
+    r->next = (sf_ahead){NULL, 0};
     d->total = o.total;
     if (keep_e) {
         d->in.base = keep_e;
@@ -359,8 +359,7 @@ int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int3
     /* The total is at least the max's weight, 2^40: no bound can accept then. */
     if (!(uq * SF_MASS_ONE < (double)w)) return 0;
     sf_row r = d->row;
-    r.next = ahead.data;
-    r.next_es = ahead.es;
+    r.next = ahead;
     /* The margin covers the float sums and exp2's error many times over. A
      * bound past `stop` cannot accept: the pass ends there (and so does its
      * prefetch of a row that a rejection leaves unread). */
@@ -413,8 +412,7 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
     float *out = more ? d->resid[d->resid_next] : NULL;
     sf_weights_out o;
     sf_row r = d->row;
-    r.next = ahead.data;
-    r.next_es = ahead.es;
+    r.next = ahead;
     weights_all(k, &r, &in, d->blocks, out, &o);
     /* q must sum to 1 within 1e-3 where the pass read it whole. */
     const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;

@@ -28,13 +28,6 @@ typedef struct sf_dist {
 } sf_dist;
 
 
-/* Memory a pass over a row prefetches alongside (data NULL: none), `es`
- * bytes per token of the row: the next row to read, or a draft's q row. */
-typedef struct sf_ahead {
-    const void *data;
-    int64_t es;
-} sf_ahead;
-
 /* Row `row` of the logits. */
 static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
     return (const char *)l->data +
@@ -44,11 +37,13 @@ static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
 /* Reads a row's max and finds the cut of its filters (temperature > 0).
  * With need_mass, also forms its weights, total and block sums in `d`; when
  * d->resid[0] is set, the weights are stored there and read from it after.
- * The max pass prefetches the first half of `ahead`.
+ * The max pass prefetches the first half of `next`, stopping once the max
+ * passes next_until (see sf_row).
  * Returns SF_ERR_LOGITS or SF_ERR_ALL_MASKED for a bad row. */
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
-                          const sf_rowparams *p, int need_mass, sf_ahead ahead);
+                          const sf_rowparams *p, int need_mass, sf_ahead next,
+                          float next_until);
 
 /* Forms the weights, total and block sums of a prepared row (what
  * sf_dist_prepare's need_mass does), prefetching `ahead`. */

@@ -15,6 +15,14 @@
 
 #define SF_BLOCK 256 /* elements per block sum of an inverse-CDF draw */
 
+/* Memory a pass over a row prefetches alongside (data NULL: none), `es`
+ * bytes per token of the row: a row the caller reads next, or a draft's q
+ * row. The pass then reads memory while it computes. */
+typedef struct sf_ahead {
+    const void *data;
+    int64_t es;
+} sf_ahead;
+
 /* Which tokens of a row are kept, and how their weights are formed. A token v
  * with logit l is kept when (l > cut_logit || (l == cut_logit && v <= cut_id))
  * and its e = 2^((l - max) * c) >= min_e, where c = inv_t * log2(e). */
@@ -26,11 +34,11 @@ typedef struct sf_row {
     float cut_logit;
     int32_t cut_id;
     float min_e;
-    /* Data the caller will likely read next (or NULL), `next_es` bytes per
-     * token of this row: a pass over the row prefetches it alongside, so
-     * that memory is read while the pass computes. */
-    const void *next;
-    int64_t next_es;
+    sf_ahead next; /* what the caller likely reads after this row */
+    /* The max pass only (read when next is set): once its running max passes
+     * next_until, the caller will not read `next`, and the pass stops
+     * fetching it. */
+    float next_until;
 } sf_row;
 
 /* Where a weights pass takes its base values b(v): from the row (b = e when
@@ -58,7 +66,8 @@ typedef struct sf_weights_out {
 typedef struct sf_kernels {
     const char *name;
     /* Largest logit of row->data (its dtype and vocab); *bad is set when a
-     * NaN or +inf is met. Prefetches the first half of row->next. */
+     * NaN or +inf is met. Prefetches the first half of row->next, or less
+     * when the running max passes row->next_until. */
     float (*row_max)(const sf_row *row, int *bad);
     /* First index whose logit equals `max` (the row's largest). */
     int64_t (*row_argmax)(const void *row, sf_dtype dtype, int64_t vocab,

@@ -6,6 +6,7 @@
 #include "../common/params.h"
 #include "../common/shared.h"
 #include "dist.h"
+#include "rowmath.h"
 
 typedef struct verify_ctx {
     const sf_logits *logits;
@@ -94,11 +95,11 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
             if (p.temperature == 0.0f) {
                 st = sf_row_greedy(c->k, row, c->logits->dtype, vocab, &emit);
             } else {
-                st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, ahead);
+                st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0,
+                                     ahead, INFINITY);
                 /* The noise pass computes more than it reads: it fetches the
                  * rest meanwhile. */
-                d.row.next = ahead.data;
-                d.row.next_es = ahead.es;
+                d.row.next = ahead;
                 if (st == SF_OK) emit = (int32_t)c->k->coupled_argmax(&d.row, p.seed, pos);
             }
             if (st != SF_OK) return st;
@@ -106,8 +107,21 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 if (tok[ch] == emit) { accepted = ch; break; }
         } else {
             /* The mass is formed only when needed: most accepted first
-             * children are accepted from a bound on it. */
-            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, ahead);
+             * children are accepted from a bound on it. The max pass reads
+             * the child's row ahead until the max shows that u q(x) >=
+             * e^((l(x) - max) / T) >= p(x): a sure rejection, which reads
+             * that row never. */
+            float until = INFINITY;
+            if (first[cur + 1] >= 0) {
+                const int32_t x = tok[first[cur + 1]];
+                const float qx = draft_prob(dr, node0 + first[cur + 1], x, vocab);
+                const double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, 0));
+                until = qx > 0.0f ? (float)(sf_load(row, c->logits->dtype, x) -
+                                            p.temperature * log(u * qx))
+                                  : -INFINITY;
+            }
+            st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, ahead,
+                                 until);
             if (st != SF_OK) return st;
             int have_mass = 0;
             uint32_t j = 0;
