@@ -366,7 +366,7 @@ def test_acceptance_decided_from_a_mass_bound_is_exact(kind, case, rng):
     cut of the filters) before the exact pass: the acceptance
     rate must still be min(1, p(x) / q(x)) exactly, on rows where the bound is
     loosest (a wide flat tail) and u q(x) often lands in its slack."""
-    vocab, batch, calls = (20_000, 1, 30_000) if case == "lone" else (2000, 4000, 10)
+    vocab, batch, calls = (70_000, 1, 30_000) if case == "lone" else (2000, 4000, 10)
     row = rng.standard_normal(vocab).astype(np.float32) * 0.5
     x = 7
     row[x] = np.log(np.exp(row).sum() - np.exp(row[x])) + np.log(0.45 / 0.55)  # p(x) ~ 0.45

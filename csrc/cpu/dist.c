@@ -13,8 +13,12 @@
 /* Up to this top_k a one-pass reservoir finds the cut; above, a cut scan. */
 #define SF_TOP_K_RESERVOIR 4096
 
-/* A lone request's row is split across threads from this many tokens. */
+/* A lone request's row is split across threads from this many tokens; the
+ * max and bound passes, a few operations a token, from SF_SPLIT_VOCAB_CHEAP
+ * (below it, waking the pool and moving the row between cores cost more than
+ * the half pass they save). */
 #define SF_SPLIT_VOCAB 16384
+#define SF_SPLIT_VOCAB_CHEAP 65536
 #define SF_MAX_SPLIT 64
 
 typedef struct split_ctx {
@@ -106,7 +110,7 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
 static int range_split(range_ctx *c) {
     int parts = sf_parallel_width();
     if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
-    if (parts < 2 || c->row->vocab < SF_SPLIT_VOCAB) return 0;
+    if (parts < 2 || c->row->vocab < SF_SPLIT_VOCAB_CHEAP) return 0;
     /* Whole SIMD-friendly chunks per part. */
     c->per = ((c->row->vocab + parts - 1) / parts + 63) & ~(int64_t)63;
     return sf_parallel_split(parts, range_part, c);
