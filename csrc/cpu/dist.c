@@ -262,7 +262,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->cut_logit = -INFINITY;
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;
-    r->next = (sf_ahead){NULL, 0};
+    r->next = r->also = (sf_ahead){NULL, 0};
     r->next_until = INFINITY;
 
     int bad = 0;

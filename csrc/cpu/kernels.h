@@ -35,6 +35,7 @@ typedef struct sf_row {
     int32_t cut_id;
     float min_e;
     sf_ahead next; /* what the caller likely reads after this row */
+    sf_ahead also; /* the noise pass only: what it may read instead */
     /* The max pass only (read when next is set): once its running max passes
      * next_until, the caller will not read `next`, and the pass stops
      * fetching it. */

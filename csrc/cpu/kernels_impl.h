@@ -267,6 +267,9 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
         if (r->next.data)
             for (int64_t b = 0; b < 64 * r->next.es; b += 64)
                 __builtin_prefetch((const char *)r->next.data + i0 * r->next.es + b, 0, 3);
+        if (r->also.data)
+            for (int64_t b = 0; b < 64 * r->also.es; b += 64)
+                __builtin_prefetch((const char *)r->also.data + i0 * r->also.es + b, 0, 3);
         vf s[PER];
         vi keep[PER];
         vf smax = vf_set(-INFINITY);

@@ -43,22 +43,18 @@ SF_INLINE vi vi_iota(int32_t x) {
 /* m ? a : b, lane by lane (m lanes are 0 or -1, as comparisons give). */
 SF_INLINE vf vsel(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
 
-/* Any lane set: a halving tree of vector ORs rather than lane extracts. */
+/* Any lane set: the lanes' sign bits as an integer where the level has an
+ * instruction for it, else a halving tree of vector ORs. */
 typedef int32_t vi4 __attribute__((vector_size(16)));
 SF_INLINE int vany(vi m) {
 #if SF_W == 16
-    typedef int32_t vi8 __attribute__((vector_size(32)));
-    vi8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) |
-            __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
-    vi4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) |
-            __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return _mm512_movepi32_mask((__m512i)m) != 0;
 #elif SF_W == 8
-    vi4 b = __builtin_shufflevector(m, m, 0, 1, 2, 3) |
-            __builtin_shufflevector(m, m, 4, 5, 6, 7);
+    return _mm256_movemask_ps((__m256)m) != 0;
 #else
     vi4 b = m;
-#endif
     return (b[0] | b[1] | b[2] | b[3]) != 0;
+#endif
 }
 
 /* The largest lane, by the same halving tree (NaN-free inputs). */

@@ -100,6 +100,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 /* The noise pass computes more than it reads: it fetches the
                  * rest meanwhile. */
                 d.row.next = ahead;
+                d.row.also = child.data ? upcoming : (sf_ahead){NULL, 0};
                 if (st == SF_OK) emit = (int32_t)c->k->coupled_argmax(&d.row, p.seed, pos);
             }
             if (st != SF_OK) return st;
