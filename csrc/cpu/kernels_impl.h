@@ -263,6 +263,7 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
      * key rules out most others before any of their noise is drawn. */
     int64_t best_id = row_argmax(r->data, r->dtype, n, r->max);
     float best = sf_gumbel(sf_noise_word(seed, position, best_id));
+    const vphilox_key key = vphilox_init(seed, position, SF_PURPOSE_NOISE);
     for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 64) {
         if (r->next.data)
             for (int64_t b = 0; b < 64 * r->next.es; b += 64)
@@ -281,12 +282,12 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
             s[c] = vsel(keep[c], scaled(r, x), vf_set(-INFINITY));
             smax = vsel(s[c] > smax, s[c], smax);
         }
-        /* A token's key is s + G with G <= SF_GUMBEL_MAX. */
-        if (best - vhmax(smax) > SF_GUMBEL_MAX) continue;
+        /* A token's key is s + G with G <= SF_GUMBEL_MAX (lane by lane, the
+         * same test as on the largest s: rounding is monotone). */
+        if (!vany(best - smax <= SF_GUMBEL_MAX)) continue;
         vu w[CALLS][4];
         for (int h = 0; h < CALLS; h++)
-            vphilox(seed, position, SF_PURPOSE_NOISE,
-                    (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)), w[h]);
+            vphilox(&key, (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)), w[h]);
         /* Chunk c holds tokens i0 + c SF_W ..: word (c SF_W) / 16 of the
          * call covering lanes (c SF_W) % 16 onwards. Per token: noise above
          * g = best - s needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g))
