@@ -76,12 +76,19 @@ static int wanted_threads(void) {
 }
 
 static void run_job(sf_job *j, sf_scratch *s) {
-    /* Each thread claims its next item before running the current one, so
-     * the task can prefetch that item's data while it computes. */
+    /* While items remain for every thread, each claims its next item before
+     * running the current one, so that the task can prefetch that item's
+     * data while it computes (near the end, claiming ahead would leave a
+     * thread idle). */
+    const int64_t threads = P.started + 1;
     int64_t i = atomic_fetch_add(&j->next, 1);
     while (i < j->n) {
-        const int64_t after = atomic_fetch_add(&j->next, 1);
-        if (s) s->upcoming = after < j->n ? after : -1;
+        int64_t after = -1;
+        if (s && atomic_load(&j->next) + threads <= j->n) {
+            after = atomic_fetch_add(&j->next, 1);
+            if (after >= j->n) after = -1;
+        }
+        if (s) s->upcoming = after;
         sf_status st = j->fn(j->ctx, i, s);
         if (st != SF_OK) {
             pthread_mutex_lock(&P.mu);
@@ -96,7 +103,7 @@ static void run_job(sf_job *j, sf_scratch *s) {
             pthread_cond_broadcast(&P.done);
             pthread_mutex_unlock(&P.mu);
         }
-        i = after;
+        i = after >= 0 ? after : atomic_fetch_add(&j->next, 1);
     }
 }
 
