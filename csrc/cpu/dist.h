@@ -51,7 +51,8 @@ sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead 
 
 /* 1 when u q(x) < p(x) holds for sure before (and instead of) forming the
  * row's mass: from its exact total when the top-k candidates gave it, else
- * from a bound (uq * bound < w(x) implies uq < w(x) / total). 0 says nothing.
+ * from a bound (uq * bound < w(x) implies uq < w(x) / total), whose pass
+ * prefetches `ahead`. 0 says nothing.
  * The row is prepared, its mass not formed, nothing rejected. */
 int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
                           sf_ahead ahead);

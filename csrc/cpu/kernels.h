@@ -81,7 +81,7 @@ typedef struct sf_kernels {
     /* An upper bound on the sum of e over the tokens with a logit at or
      * above cut_logit (min_e not applied): at least the exact total weight /
      * 2^40, about 6% above it at most. Returns early, with a partial sum
-     * above `stop`, once the sum passes `stop`. */
+     * above `stop`, once the sum passes `stop`. Prefetches row->next. */
     double (*mass_bound)(const sf_row *row, double stop);
     /* Gumbel-max over the kept tokens: argmax of (l - max) * inv_t + G(v),
      * G from Philox at (seed, position, NOISE, v / 4); lowest id on ties. */
