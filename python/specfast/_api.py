@@ -234,19 +234,13 @@ def _single(v, name):
 
 def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
     """An sf_params; scalars share two small buffers, arrays are passed as is."""
-    # One-element arrays (a lone request's own values) take the numbers' path.
-    if type(seed) is np.ndarray:
-        seed = _single(seed, "seed")
-    if type(position) is np.ndarray:
-        position = _single(position, "position")
-    if type(temperature) is np.ndarray:
-        temperature = _single(temperature, "temperature")
-    if type(top_k) is np.ndarray:
-        top_k = _single(top_k, "top_k")
-    if type(top_p) is np.ndarray:
-        top_p = _single(top_p, "top_p")
-    if type(min_p) is np.ndarray:
-        min_p = _single(min_p, "min_p")
+    values = (temperature, top_k, top_p, min_p, seed, position)
+    if np.ndarray in map(type, values):
+        # One-element arrays (a lone request's own values) take the numbers' path.
+        temperature, top_k, top_p, min_p, seed, position = (
+            _single(v, name) if type(v) is np.ndarray else v
+            for v, name in zip(values, ("temperature", "top_k", "top_p", "min_p", "seed",
+                                        "position")))
     if (type(temperature) in _PLAIN and type(top_p) in _PLAIN and type(min_p) in _PLAIN
             and type(top_k) is int and type(seed) is int and type(position) is int
             and 0 <= top_k < 1 << 31 and 0 <= seed < 1 << 64 and -(1 << 63) <= position < 1 << 63):
