@@ -13,6 +13,13 @@
  * pass's prefetch switch). */
 #define SF_BOUND_BLOCK 4096
 
+/* Prefetches what tokens [i, i + n) of a row correspond to in stream a. */
+static inline __attribute__((always_inline)) void fetch_ahead(sf_ahead a, int64_t i, int64_t n) {
+    if (a.data)
+        for (int64_t b = 0; b < n * a.es; b += 64)
+            __builtin_prefetch((const char *)a.data + i * a.es + b, 0, 3);
+}
+
 /* Tokens [i, i + 16) of a row as float; past the end, -inf. */
 static inline __attribute__((always_inline)) vf load_chunk(const void *row, sf_dtype dtype, int64_t i, int64_t n) {
     if (i + SF_W <= n) {
@@ -44,21 +51,18 @@ static float row_max(const sf_row *r, int *bad) {
     vi nan = vi_set(0);
     /* Half of r->next, at half this pass's pace, until the max passes
      * r->next_until (checked once a block). */
-    const char *pf = r->next.data;
-    const int64_t pf_es = r->next.es;
+    sf_ahead pf = r->next;
     int64_t i = 0;
     while (i + 2 * SF_W <= n) {
         const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
         for (; i + 2 * SF_W <= end; i += 2 * SF_W) {
-            if (pf)
-                for (int64_t b = 0; b < SF_W * pf_es; b += 64)
-                    __builtin_prefetch(pf + i / 2 * pf_es + b, 0, 3);
+            fetch_ahead(pf, i / 2, SF_W);
             vf x0 = load_chunk(row, dtype, i, n), x1 = load_chunk(row, dtype, i + SF_W, n);
             m0 = vsel(x0 > m0, x0, m0);
             m1 = vsel(x1 > m1, x1, m1);
             nan |= (x0 != x0) | (x1 != x1);
         }
-        if (pf && vany((m0 > r->next_until) | (m1 > r->next_until))) pf = NULL;
+        if (pf.data && vany((m0 > r->next_until) | (m1 > r->next_until))) pf.data = NULL;
     }
     for (; i < n; i += SF_W) {
         vf x = load_chunk(row, dtype, i, n);
@@ -119,7 +123,7 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
             /* Which q values are checked: all of them, or under a cut those
              * of kept tokens only (so the vector width cannot matter). */
             vi checked = vi_set(-1);
-            if (r->next.data) __builtin_prefetch((const char *)r->next.data + i * r->next.es, 0, 3);
+            fetch_ahead(r->next, i, SF_W);
             if (from_row) {
                 vf x = load_chunk(r->data, r->dtype, i, n);
                 if (cut) {
@@ -203,11 +207,10 @@ static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
     }
 }
 
-/* An upper bound of the row's mass: vexp2_up instead of the exact exp2 and
- * fixed-point sums, a few operations a token. Each lane adds at most
- * SF_BOUND_BLOCK / SF_W / 2 + 1 floats (a relative error under 4e-5 at every
- * width; callers allow 1e-3), blocks are summed in double. */
-
+/* mass_bound, an upper bound of the row's mass: vexp2_up instead of the
+ * exact exp2 and fixed-point sums, a few operations a token. Each lane adds at
+ * most SF_BOUND_BLOCK / SF_W / 2 + 1 floats (a relative error under 4e-5 at
+ * every width; callers allow 1e-3), blocks are summed in double. */
 static inline __attribute__((always_inline)) vf bound_e(const sf_row *r, vf x, int cut) {
     vf e = vexp2_up((x - r->max) * r->c);
     /* Ties at the cut all count (the bound then needs no token ids, so a
@@ -235,9 +238,7 @@ static double mass_bound(const sf_row *r, double stop) {
     double total = 0.0;
     for (int64_t b0 = 0; b0 < n; b0 += SF_BOUND_BLOCK) {
         const int64_t end = b0 + SF_BOUND_BLOCK < n ? b0 + SF_BOUND_BLOCK : n;
-        if (r->next.data)
-            for (int64_t i = b0; i < end; i += 64 / r->next.es)
-                __builtin_prefetch((const char *)r->next.data + i * r->next.es, 0, 3);
+        fetch_ahead(r->next, b0, end - b0);
         vf acc;
         if (r->dtype == SF_F32)
             acc = cut ? bound_block(r, SF_F32, 1, b0, end) : bound_block(r, SF_F32, 0, b0, end);
@@ -265,12 +266,8 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
     float best = sf_gumbel(sf_noise_word(seed, position, best_id));
     const vphilox_key key = vphilox_init(seed, position, SF_PURPOSE_NOISE);
     for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 64) {
-        if (r->next.data)
-            for (int64_t b = 0; b < 64 * r->next.es; b += 64)
-                __builtin_prefetch((const char *)r->next.data + i0 * r->next.es + b, 0, 3);
-        if (r->also.data)
-            for (int64_t b = 0; b < 64 * r->also.es; b += 64)
-                __builtin_prefetch((const char *)r->also.data + i0 * r->also.es + b, 0, 3);
+        fetch_ahead(r->next, i0, 64);
+        fetch_ahead(r->also, i0, 64);
         vf s[PER];
         vi keep[PER];
         vf smax = vf_set(-INFINITY);
