@@ -51,6 +51,35 @@ def test_ngram_index_grows_incrementally_and_selects_rows():
     assert d.propose(ctxs[1:], [3], [Sampling()])[0].tokens == [4, 5]  # all that follows
 
 
+def test_ngram_chain_resumes_its_source_after_the_target_skips_tokens():
+    src = [6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    ctx = src + [50, 1, 2]
+    d = NgramDrafter()
+    d.start([ctx], [Sampling()])
+    assert d.propose([ctx], [5], [Sampling()])[0].tokens == [3, 4, 5, 6, 7]
+    # the target accepts 3, 4, then skips the source's 5 and emits 6
+    ctx = ctx + [3, 4, 6]
+    d.rollback([len(ctx)])
+    resumed = d.propose([ctx], [3], [Sampling()])[0]
+    assert resumed.tokens == [7, 8, 9] and resumed.match >= 2
+    # without the chain, (6,) matches one token back at 0 and 7: the earliest wins
+    assert propose(NgramDrafter(), ctx, 3).tokens == [0, 1, 2]
+    assert propose(NgramDrafter(resync=-1), ctx, 3).tokens == [0, 1, 2]
+    # a token not a few tokens ahead: after one accepted token the lookup decides,
+    # after two or more the token was inserted and the copy goes on where it broke
+    for accepted, expect in (([3], [1, 2]), ([3, 4], [5, 6])):
+        d.start([src + [50, 1, 2]], [Sampling()])
+        d.propose([src + [50, 1, 2]], [5], [Sampling()])
+        ctx = src + [50, 1, 2] + accepted + [0]
+        assert d.propose([ctx], [2], [Sampling()])[0].tokens == expect
+    # a two-token match outranks the chain's source
+    ctx = [4, 6, 30, 31, 1, 2, 3, 4, 5, 6, 7, 8, 50, 1, 2]
+    d.start([ctx], [Sampling()])
+    d.propose([ctx], [4], [Sampling()])
+    ctx = ctx + [3, 4, 6]
+    assert d.propose([ctx], [2], [Sampling()])[0].tokens == [30, 31]
+
+
 def test_draft_seed_is_shared_only_in_coupled_mode():
     assert draft_seed(7, "coupled") == 7
     assert draft_seed(7, "rejection") != 7

@@ -129,6 +129,15 @@ class NgramDrafter(Drafter):
     up to k tokens of its continuation. ``Draft.match`` is the matched length,
     which the draft length controller uses as the draft's confidence.
 
+    A chain also follows its source (:meth:`resync`). When the target parts
+    from a copy (a rewrite that wraps a line differently, drops a word) and the
+    context's suffix then matches only one token back, the draft resumes the
+    source where the target's token reappears a few tokens ahead of where the
+    copy broke (at most ``resync`` tokens ahead; -1 turns this off), or where
+    the copy broke if the token looks inserted, instead of at that token's
+    first occurrence anywhere.
+    ``Draft.match`` is ``RESYNC_MATCH`` for such a draft.
+
     With ``branches > 1`` it drafts a tree instead (:meth:`tree`): the
     continuations of several earlier occurrences merged, so that when the best
     match goes wrong a sibling may still be right.
@@ -147,26 +156,35 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
     cheap = True
+    # A resumed source is priced as a 2-token match: one token agreed, where the
+    # copy said it would (a 0, "unknown", drafted long resyncs that failed).
+    RESYNC_MATCH = 2
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 32,
-                 max_match: int = 64, branches: int = 1, decay: float = 0.9):
+                 max_match: int = 64, branches: int = 1, decay: float = 0.9,
+                 resync: int = 4):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if branches < 1 or not 0.0 < decay < 1.0:
             raise ValueError("need branches >= 1 and 0 < decay < 1")
+        if resync < -1:
+            raise ValueError(f"resync must be >= -1, got {resync}")
         self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
         self.max_match = max(max_match, max_ngram)
         self.branches, self.decay = branches, decay
+        self.resync_window = resync
         if branches > 1:
             self.name = f"ngram-tree{branches}"
         self._index: list = []
         self._indexed: list = []  # n-grams ending before this position are indexed
         self._tokens: list = []  # the tokens they were read from
+        self._copy: list = []  # (source start, context length) of the last chain, or None
 
     def start(self, contexts, sampling):
         self._index = [{} for _ in contexts]
         self._indexed = [0 for _ in contexts]
         self._tokens = [[] for _ in contexts]
+        self._copy = [None for _ in contexts]
 
     def _keys(self, toks, e):
         """The indexed n-grams ending at position e."""
@@ -202,6 +220,8 @@ class NgramDrafter(Drafter):
                         del index[key]
             del toks[keep:]
             self._indexed[i] = keep
+            if self._copy[i] is not None and n_keep <= self._copy[i][1]:
+                self._copy[i] = None  # its draft was never verified
 
     def lookup(self, i, ctx):
         """(end position of the chosen match, matched length), or (-1, 0)."""
@@ -226,6 +246,31 @@ class NgramDrafter(Drafter):
         while n < cap and n <= e and ctx[e - n] == ctx[last - n]:
             n += 1
         return n
+
+    def resync(self, i, ctx):
+        """Where the last chain's source continues, or -1.
+
+        That chain copied ``ctx[s:]`` after a context of length L, and the
+        target then accepted a tokens of it and emitted ``ctx[-1]`` where the
+        source has ``ctx[s + a]``. If they agree the copy goes on at s + a + 1;
+        if the target's token appears in the next ``resync`` tokens of the
+        source, the target skipped the tokens before it (a line wrapped
+        differently, a word dropped) and the copy goes on after it; otherwise,
+        if the copy was running (two or more tokens accepted), the target
+        inserted its token and the copy goes on at s + a.
+        """
+        if self._copy[i] is None:
+            return -1
+        s, n = self._copy[i]
+        a = len(ctx) - 1 - n
+        p = s + a
+        if a < 0 or p >= n or ctx[n:n + a] != ctx[s:p]:
+            return -1  # not what the chain proposed
+        last = ctx[-1]
+        for q in range(p, min(p + 1 + self.resync_window, n)):
+            if ctx[q] == last:
+                return q + 1
+        return p if a >= 2 and self.resync_window >= 0 else -1
 
     def matches(self, i, ctx):
         """Earlier occurrences of the context's suffix, best first: (end, matched
@@ -284,8 +329,15 @@ class NgramDrafter(Drafter):
                     out.append(self.tree(i, ctx, k))
                     continue
                 e, n = self.lookup(i, ctx)
-                if e >= 0:
-                    out.append(Draft(list(ctx[e + 1:e + 1 + k]), None, n))
+                start = e + 1 if e >= 0 else -1
+                if n < 2:  # one token back is a weak clue: prefer the source's course
+                    r = self.resync(i, ctx)
+                    if r >= 0:
+                        start, n = r, self.RESYNC_MATCH
+                tokens = list(ctx[start:start + k]) if start >= 0 else []
+                self._copy[i] = (start, len(ctx)) if tokens else None
+                if tokens:
+                    out.append(Draft(tokens, None, n))
                     continue
             out.append(Draft([]))
         return out
@@ -294,6 +346,7 @@ class NgramDrafter(Drafter):
         self._index = [self._index[r] for r in rows]
         self._indexed = [self._indexed[r] for r in rows]
         self._tokens = [self._tokens[r] for r in rows]
+        self._copy = [self._copy[r] for r in rows]
 
 
 class ModelDrafter(Drafter):
