@@ -258,6 +258,25 @@ def test_draft_length_buckets_by_match():
     assert c.choose(0, 100, match=2, available=8) == 0
 
 
+def test_a_new_bucket_starts_from_how_the_request_drafts_fare():
+    """The first long match of a request whose short matches keep failing (prose)
+    is not worth a wide step; the same match in a request whose drafts pass is."""
+    def first_long_match(short_accepted):
+        c = DraftLength(max_k=24)
+        c.start(1)
+        for w, ms in {1: 44, 2: 51, 4: 73, 8: 95, 16: 117, 25: 125}.items():
+            c.observe_target(w, ms / 1000)
+        for _ in range(12):
+            c.observe(0, 3, short_accepted, match=1)
+        return c.choose(0, 100, match=6, available=24)
+
+    assert first_long_match(0) <= 1  # its prior alone would draft 10
+    assert first_long_match(3) >= 8
+    fresh = DraftLength(max_k=24)
+    fresh.start(1)  # nothing known of the request: the bucket's own prior
+    assert fresh.acceptance(0, 6)[0] == pytest.approx(0.375)
+
+
 def test_prompts_forms(target):
     dec = SpeculativeDecoder(target)
     assert isinstance(dec.generate([1, 2, 3], 2).tokens, list)

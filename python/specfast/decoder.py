@@ -142,12 +142,14 @@ class Generation:
 class _Request:
     """One request's acceptance statistics (per confidence bucket) and probe state."""
 
-    __slots__ = ("stats", "skipped", "interval")
+    __slots__ = ("stats", "skipped", "interval", "hits", "expected")
 
     def __init__(self, probe_every):
         self.stats = {}  # bucket -> [first ok, first failed, next ok, next failed]
         self.skipped = 0
         self.interval = probe_every
+        self.hits = 0.0  # first draft tokens accepted, all buckets (decayed)
+        self.expected = 0.0  # what the buckets' priors expected of the same drafts
 
 
 class DraftLength:
@@ -219,15 +221,24 @@ class DraftLength:
         """Confidence bucket of a draft: 0 unknown, else 1 + log2 of the match length."""
         return 0 if not match or match < 0 else min(int(match).bit_length(), 7)
 
+    def _prior(self, b: int) -> float:
+        """P(first draft token accepted) before a request has drafted from bucket b."""
+        if b:  # lookup drafts: a short match is a weaker bet than a long one
+            return min(0.9, self.prior_first * 0.25 * b)
+        return self.prior_first
+
     def _stats(self, i: int, match):
-        stats = self._req[i].stats
+        req = self._req[i]
         b = self.bucket(match)
-        st = stats.get(b)
+        st = req.stats.get(b)
         if st is None:
-            w, p, q = self.prior_weight, self.prior_first, self.prior_next
-            if b:  # lookup drafts: a short match is a weaker bet than a long one
-                p = min(0.9, p * 0.25 * b)
-            st = stats[b] = [p * w, (1 - p) * w, q * w, (1 - q) * w]
+            # A bucket this request has not drafted from yet starts from its prior
+            # scaled by how the request's other drafts fared against theirs: in
+            # prose, where short matches keep failing, a first long match is not
+            # worth a wide step; in a rewrite it is.
+            luck = (req.hits + 1.0) / (req.expected + 1.0)
+            w, p, q = self.prior_weight, min(0.9, self._prior(b) * luck), self.prior_next
+            st = req.stats[b] = [p * w, (1 - p) * w, q * w, (1 - q) * w]
         return st
 
     def acceptance(self, i: int, match=None) -> tuple:
@@ -354,6 +365,9 @@ class DraftLength:
             return
         st = self._stats(i, match)
         d = self.decay
+        req = self._req[i]
+        req.hits = req.hits * d + (accepted >= 1)
+        req.expected = req.expected * d + self._prior(self.bucket(match))
         st[0] = st[0] * d + (accepted >= 1)
         st[1] = st[1] * d + (accepted == 0)
         if accepted >= 1:
