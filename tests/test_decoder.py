@@ -233,6 +233,23 @@ def test_forward_cost_follows_measured_widths():
     assert costs[40] > costs[31]  # past the widest measured width it keeps rising
 
 
+def test_one_slow_step_does_not_price_a_width_out():
+    """A wide step measured once, slowly (the machine was busy), counts as
+    unmeasured until it is seen three times: the controller tries it again."""
+    c = DraftLength(max_k=32)
+    c.start(1)
+    for _ in range(5):
+        for w, ms in {1: 44, 2: 51, 8: 95, 16: 117, 22: 120}.items():
+            c.observe_target(w, ms / 1000)
+    c.observe_target(33, 0.400)
+    for _ in range(10):
+        c.observe(0, 21, 21, match=40)
+    assert c.choose(0, 100, match=40, available=32) == 32
+    for _ in range(2):
+        c.observe_target(33, 0.400)  # three times slow: it is that slow
+    assert c.choose(0, 100, match=40, available=32) < 32
+
+
 @pytest.mark.parametrize("p0, want", [(0.02, 0), (0.2, 1)])
 def test_draft_length_needs_a_margin_over_plain(p0, want):
     """A draft whose expected gain is within the margin (3%) is not taken."""

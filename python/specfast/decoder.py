@@ -271,7 +271,11 @@ class DraftLength:
         last segment's, if flatter): longer drafts look cheap until tried, and
         are then measured."""
         grid = np.arange(self.max_k + 2, dtype=float)
-        pts = sorted((w, stat(t), len(t)) for w, t in self._times.items() if t)
+        # A width seen fewer than 3 times (once the best-known one has been) is
+        # left out, as if unmeasured: one slow step on a loaded machine must not
+        # price that width out for good (it would never be chosen, so never re-measured).
+        trust = min(3, max((len(t) for t in self._times.values()), default=0))
+        pts = sorted((w, stat(t), len(t)) for w, t in self._times.items() if len(t) >= max(1, trust))
         if not pts:
             return 1.0 + self.prior_slope * (grid - 1)  # relative units until measured
         ws = np.array([p[0] for p in pts], float)
