@@ -252,7 +252,7 @@ def test_one_slow_step_does_not_price_a_width_out():
 
 @pytest.mark.parametrize("p0, want", [(0.02, 0), (0.2, 1)])
 def test_draft_length_needs_a_margin_over_plain(p0, want):
-    """A draft whose expected gain is within the margin (3%) is not taken."""
+    """A draft whose expected gain is within the margin (10%) is not taken."""
     c = DraftLength(max_k=1, prior_first=p0, prior_weight=1e6)
     c.start(1)
     c.observe_target(1, 0.1)

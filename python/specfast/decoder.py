@@ -192,7 +192,7 @@ class DraftLength:
     def __init__(self, fixed: int | None = None, max_k: int = 10, *, prior_first: float = 0.5,
                  prior_next: float = 0.85, prior_weight: float = 2.0, decay: float = 0.9,
                  window: int = 24, probe_every: int = 4, probe_max: int = 32, probe_k: int = 1,
-                 prior_slope: float = 0.02, margin: float = 1.03):
+                 prior_slope: float = 0.02, margin: float = 1.1):
         self.fixed, self.max_k = fixed, max_k
         self.prior_first, self.prior_next = prior_first, prior_next
         self.prior_weight, self.decay = prior_weight, decay
