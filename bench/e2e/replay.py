@@ -25,8 +25,9 @@ import numpy as np
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 33)
 
 
-def decode_and_measure(target_path, names, cache):
-    """{name: (prompt ids, greedy continuation)} and {width: seconds}, cached."""
+def decode_and_measure(target_path, cache):
+    """{name: (prompt ids, greedy continuation)} of every workload and {width:
+    seconds}, cached."""
     if os.path.exists(cache):
         with open(cache) as f:
             data = json.load(f)
@@ -38,7 +39,7 @@ def decode_and_measure(target_path, names, cache):
 
     target = HFModel.from_pretrained(target_path)
     texts = {}
-    for w in workloads.load(names=names):
+    for w in workloads.load():
         ids = target.encode(w["messages"])
         texts[w["name"]] = (ids, plain_decoder(target).generate(ids, w["max_new_tokens"]).tokens)
     ids, gen = max(texts.values(), key=lambda t: len(t[1]))
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    texts, costs = decode_and_measure(args.target or smollm2_path(), args.names, args.cache)
+    texts, costs = decode_and_measure(args.target or smollm2_path(), args.cache)
     widths = sorted(costs)
     curve = np.maximum.accumulate([costs[w] for w in widths])  # a wider forward never costs less
     slope = (curve[-1] - curve[-2]) / (widths[-1] - widths[-2])
@@ -114,15 +115,17 @@ def main(argv=None) -> int:
 
     print("forward ms by width:", {w: round(1000 * costs[w]) for w in widths})
     for name, (ids, gen) in texts.items():
+        if args.names and name not in args.names:
+            continue
+        plain = np.mean([replay(ids, gen, NgramDrafter(), DraftLength(0, 32), cost, args.noise, s)[0]
+                         for s in range(args.seeds)])
         cells = []
         for resync in args.resync:
             for margin in args.margin:
                 runs = [replay(ids, gen, NgramDrafter(resync=resync),
                                DraftLength(None, 32, margin=margin), cost, args.noise, s)
                         for s in range(args.seeds)]
-                plain = [replay(ids, gen, NgramDrafter(), DraftLength(0, 32), cost, args.noise, s)[0]
-                         for s in range(args.seeds)]
-                ratio = np.mean(plain) / np.mean([r[0] for r in runs])
+                ratio = plain / np.mean([r[0] for r in runs])
                 cells.append(f"resync {resync} margin {margin}: {ratio:.2f}x plain, "
                              f"{np.mean([r[1] for r in runs]):.0f} steps")
         print(f"{name} ({len(gen)} tokens): " + "; ".join(cells), flush=True)
