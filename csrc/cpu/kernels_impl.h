@@ -41,41 +41,66 @@ static inline __attribute__((always_inline)) vf load_floats(const float *p, int6
     return x;
 }
 
+/* Tokens [i, i + SF_W) of a row that holds them all, dtype known. */
+static inline __attribute__((always_inline)) vf load_full(const void *row, sf_dtype dtype, int64_t i) {
+    if (dtype == SF_F32) return vload((const float *)row + i);
+    if (dtype == SF_BF16) return vbf16((const uint16_t *)row + i);
+    return vf16((const uint16_t *)row + i);
+}
+
+/* The max pass over whole groups of 4 chunks in [*i, end), dtype known at
+ * compile time: four chains of maxima, so that the max latency overlaps. */
+static inline __attribute__((always_inline)) void
+max_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf, vf m[4],
+         vi *nan) {
+    vf m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3];
+    vi bad = *nan;
+    int64_t i = *at;
+    for (; i + 4 * SF_W <= end; i += 4 * SF_W) {
+        fetch_ahead(pf, i / 2, 2 * SF_W);
+        vf x0 = load_full(r->data, dtype, i), x1 = load_full(r->data, dtype, i + SF_W);
+        vf x2 = load_full(r->data, dtype, i + 2 * SF_W), x3 = load_full(r->data, dtype, i + 3 * SF_W);
+        m0 = vmaxf(x0, m0);
+        m1 = vmaxf(x1, m1);
+        m2 = vmaxf(x2, m2);
+        m3 = vmaxf(x3, m3);
+        bad |= (x0 != x0) | (x1 != x1) | (x2 != x2) | (x3 != x3);
+    }
+    m[0] = m0; m[1] = m1; m[2] = m2; m[3] = m3;
+    *nan = bad;
+    *at = i;
+}
+
 static float row_max(const sf_row *r, int *bad) {
-    /* Two chains of maxima, so that the compare latency overlaps. A NaN never
-     * wins a compare, so it is flagged apart; +inf shows as the max. */
-    const void *row = r->data;
-    const sf_dtype dtype = r->dtype;
+    /* A NaN never wins a compare, so it is flagged apart; +inf shows as the
+     * max. */
     const int64_t n = r->vocab;
-    vf m0 = vf_set(-INFINITY), m1 = m0;
+    vf m[4] = {vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY)};
     vi nan = vi_set(0);
     /* Half of r->next, at half this pass's pace, until the max passes
      * r->next_until (checked once a block). */
     sf_ahead pf = r->next;
     int64_t i = 0;
-    while (i + 2 * SF_W <= n) {
+    while (i + 4 * SF_W <= n) {
         const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
-        for (; i + 2 * SF_W <= end; i += 2 * SF_W) {
-            fetch_ahead(pf, i / 2, SF_W);
-            vf x0 = load_chunk(row, dtype, i, n), x1 = load_chunk(row, dtype, i + SF_W, n);
-            m0 = vsel(x0 > m0, x0, m0);
-            m1 = vsel(x1 > m1, x1, m1);
-            nan |= (x0 != x0) | (x1 != x1);
-        }
-        if (pf.data && vany((m0 > r->next_until) | (m1 > r->next_until))) pf.data = NULL;
+        if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, pf, m, &nan);
+        else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, pf, m, &nan);
+        else max_span(r, SF_F16, &i, end, pf, m, &nan);
+        if (pf.data && vany((m[0] > r->next_until) | (m[1] > r->next_until) |
+                            (m[2] > r->next_until) | (m[3] > r->next_until)))
+            pf.data = NULL;
+        if (i < end) break; /* the tail of the row, under 4 chunks */
     }
     for (; i < n; i += SF_W) {
-        vf x = load_chunk(row, dtype, i, n);
-        m0 = vsel(x > m0, x, m0);
+        vf x = load_chunk(r->data, r->dtype, i, n);
+        m[0] = vmaxf(x, m[0]);
         nan |= x != x;
     }
-    float m = -INFINITY;
-    for (int j = 0; j < SF_W; j++) {
-        m = m0[j] > m ? m0[j] : m;
-        m = m1[j] > m ? m1[j] : m;
-    }
-    *bad = vany(nan) || m == INFINITY;
-    return m;
+    vf mm = vmaxf(vmaxf(m[0], m[1]), vmaxf(m[2], m[3]));
+    float mx = -INFINITY;
+    for (int j = 0; j < SF_W; j++) mx = mm[j] > mx ? mm[j] : mx;
+    *bad = vany(nan) || mx == INFINITY;
+    return mx;
 }
 
 static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max) {

@@ -90,6 +90,18 @@ SF_INLINE vf vmax_lo(vf y, float lo) {
 #endif
 }
 
+/* a > b ? a : b, lane by lane (b where either is NaN): one instruction where
+ * the level has one (GCC does not fuse the compare and select itself). */
+SF_INLINE vf vmaxf(vf a, vf b) {
+#if SF_W == 16
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif SF_W == 8
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return vsel(a > b, a, b);
+#endif
+}
+
 /* sf_exp2, lane by lane. */
 SF_INLINE vf vexp2(vf y) {
     const vf magic = vf_set(12582912.0f);
