@@ -18,7 +18,7 @@
  * (below it, waking the pool and moving the row between cores cost more than
  * the half pass they save). */
 #define SF_SPLIT_VOCAB 16384
-#define SF_SPLIT_VOCAB_CHEAP 65536
+#define SF_SPLIT_VOCAB_CHEAP 32768
 #define SF_MAX_SPLIT 64
 
 typedef struct split_ctx {

@@ -236,8 +236,8 @@ static void weights(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
  * exact exp2 and fixed-point sums, a few operations a token. Each lane adds at
  * most SF_BOUND_BLOCK / SF_W / 2 + 1 floats (a relative error under 4e-5 at
  * every width; callers allow 1e-3), blocks are summed in double. */
-static inline __attribute__((always_inline)) vf bound_e(const sf_row *r, vf x, int cut) {
-    vf e = vexp2_up((x - r->max) * r->c);
+static inline __attribute__((always_inline)) vf bound_e(const sf_row *r, vf x, float c23, int cut) {
+    vf e = vexp2_up_scaled((x - r->max) * c23);
     /* Ties at the cut all count (the bound then needs no token ids, so a
      * part of a row can be bounded on its own). */
     return cut ? vsel(x >= r->cut_logit, e, vf_set(0.0f)) : e;
@@ -247,13 +247,16 @@ static inline __attribute__((always_inline)) vf bound_e(const sf_row *r, vf x, i
  * call site is specialised), so the loop carries no tests but its own. */
 static inline __attribute__((always_inline)) vf bound_block(const sf_row *r, sf_dtype dtype,
                                                             int cut, int64_t i, int64_t end) {
+    /* c 2^23, the factor of vexp2_up_scaled, capped so that (max - max) *
+     * c23 stays 0 (a capped factor only raises the bound). */
+    const float c23 = r->c <= 4.05e31f ? r->c * 8388608.0f : 3.40282347e38f;
     /* Two sums, so that the add latency overlaps; whole chunks first. */
     vf acc0 = vf_set(0.0f), acc1 = acc0;
     for (; i + 2 * SF_W <= end; i += 2 * SF_W) {
-        acc0 += bound_e(r, load_chunk(r->data, dtype, i, r->vocab), cut);
-        acc1 += bound_e(r, load_chunk(r->data, dtype, i + SF_W, r->vocab), cut);
+        acc0 += bound_e(r, load_full(r->data, dtype, i), c23, cut);
+        acc1 += bound_e(r, load_full(r->data, dtype, i + SF_W), c23, cut);
     }
-    for (; i < end; i += SF_W) acc0 += bound_e(r, load_chunk(r->data, dtype, i, r->vocab), cut);
+    for (; i < end; i += SF_W) acc0 += bound_e(r, load_chunk(r->data, dtype, i, r->vocab), c23, cut);
     return acc0 + acc1;
 }
 

@@ -127,6 +127,12 @@ SF_INLINE vf vexp2_up(vf y) {
     return (vf)(__builtin_convertvector(y * 8388608.0f, vi) + 0x3F800000);
 }
 
+/* vexp2_up of y given y 2^23 (the caller folds 2^23 into its factor). */
+SF_INLINE vf vexp2_up_scaled(vf y23) {
+    y23 = vmax_lo(y23, -126.0f * 8388608.0f);
+    return (vf)(__builtin_convertvector(y23, vi) + 0x3F800000);
+}
+
 /* hi and lo words of a * k, lane by lane: the even and the odd lanes seen as
  * 64-bit lanes with their upper halves cleared, so that each product is one
  * 32 x 32 -> 64 multiply (pmuludq) rather than a 64-bit one. */

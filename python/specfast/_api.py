@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -89,7 +90,7 @@ def _torch_to_numpy(t, name):
     return t.detach().numpy()
 
 
-_I32 = np.dtype(np.int32)
+_I32, _I64, _U64 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint64)
 
 
 def _int_array(x, name, ndim):
@@ -232,26 +233,62 @@ def _single(v, name):
     return v
 
 
+_ARRAY_TYPES = {}
+# Parsed once: ffi.new with a type object skips the parse on every call.
+_T_DRAFT, _T_OUT, _T_ERR, _T_LOGITS, _T_PARAMS = (
+    ffi.typeof(t) for t in ("sf_draft *", "sf_verify_out *", "sf_error *", "sf_logits *",
+                            "sf_params *"))
+_T_F3, _T_I3, _T_U1, _T_I32P, _T_U64P = (
+    ffi.typeof(t) for t in ("float[3]", "int64_t[3]", "uint64_t[1]", "int32_t *", "uint64_t *"))
+
+
+class _Frame(threading.local):
+    """Per-thread C structs that every call reuses instead of allocating its
+    own (a call fills each field it passes; calls on one thread never overlap):
+    on a lone request, allocating them cost more than the core's work."""
+
+    def __init__(self):
+        self.floats = ffi.new(_T_F3)  # temperature, top_p, min_p
+        self.ints = ffi.new(_T_I3)  # top_k (read as int32), unused, position
+        self.seeds = ffi.new(_T_U1)
+        i32 = ffi.cast(_T_I32P, self.ints)
+        self.params = ffi.new(_T_PARAMS, (self.floats, 1, i32, 1, self.floats + 1, 1,
+                                          self.floats + 2, 1, self.seeds, 1, self.ints + 2, 1))
+        self.err = ffi.new(_T_ERR)
+
+
+_frame = _Frame()
+_PARAM_NAMES = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
+
+
 def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
     """An sf_params; scalars share two small buffers, arrays are passed as is."""
-    values = (temperature, top_k, top_p, min_p, seed, position)
-    if np.ndarray in map(type, values):
+    # A server's lone request passes its seed and position as arrays.
+    if type(seed) is np.ndarray and seed.shape == (1,) and seed.dtype == _U64:
+        seed = int(seed[0])
+    if type(position) is np.ndarray and position.shape == (1,) and position.dtype == _I64:
+        position = int(position[0])
+    if (type(seed) is np.ndarray or type(position) is np.ndarray
+            or type(temperature) is np.ndarray or type(top_k) is np.ndarray
+            or type(top_p) is np.ndarray or type(min_p) is np.ndarray):
         # One-element arrays (a lone request's own values) take the numbers' path.
-        temperature, top_k, top_p, min_p, seed, position = (
+        temperature, top_k, top_p, min_p, seed, position = [
             _single(v, name) if type(v) is np.ndarray else v
-            for v, name in zip(values, ("temperature", "top_k", "top_p", "min_p", "seed",
-                                        "position")))
+            for v, name in zip((temperature, top_k, top_p, min_p, seed, position),
+                               _PARAM_NAMES)]
     if (type(temperature) in _PLAIN and type(top_p) in _PLAIN and type(min_p) in _PLAIN
             and type(top_k) is int and type(seed) is int and type(position) is int
             and 0 <= top_k < 1 << 31 and 0 <= seed < 1 << 64 and -(1 << 63) <= position < 1 << 63):
-        # Every parameter a plain number: the common case, built directly.
-        floats = ffi.new(_T_F3, (temperature, top_p, min_p))
-        ints = ffi.new(_T_I3, (top_k, 0, position))
-        seeds = ffi.new(_T_U1, (seed,))
-        p = ffi.new(_T_PARAMS, (floats, 1, ffi.cast(_T_I32P, ints), 1, floats + 1, 1,
-                                floats + 2, 1, seeds, 1, ints + 2, 1))
-        keep += [floats, ints, seeds, p]
-        return p
+        # Every parameter a plain number: the common case, in this thread's frame.
+        f = _frame
+        floats, ints = f.floats, f.ints
+        floats[0] = temperature
+        floats[1] = top_p
+        floats[2] = min_p
+        ints[0] = top_k
+        ints[2] = position
+        f.seeds[0] = seed
+        return f.params
     floats = ffi.new(_T_F3)
     ints = ffi.new(_T_I3)  # top_k (as int32), seed, position
     keep += [floats, ints]
@@ -312,15 +349,6 @@ def _method(method):
     if code is None:
         raise ValueError(f"method must be 'rejection' or 'coupled', got {method!r}")
     return code
-
-
-_ARRAY_TYPES = {}
-# Parsed once: ffi.new with a type object skips the parse on every call.
-_T_DRAFT, _T_OUT, _T_ERR, _T_LOGITS, _T_PARAMS = (
-    ffi.typeof(t) for t in ("sf_draft *", "sf_verify_out *", "sf_error *", "sf_logits *",
-                            "sf_params *"))
-_T_F3, _T_I3, _T_U1, _T_I32P, _T_U64P = (
-    ffi.typeof(t) for t in ("float[3]", "int64_t[3]", "uint64_t[1]", "int32_t *", "uint64_t *"))
 
 
 def _ptr(ctype, a):
@@ -412,7 +440,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     >>> r.tokens.shape, r.num_accepted.shape
     ((1, 3), (1,))
     """
-    torch_out = _is_torch(target_logits)
+    torch_out = type(target_logits) is not np.ndarray and _is_torch(target_logits)
     if torch_out and target_logits.is_cuda:
         from . import _cuda
 
@@ -449,7 +477,9 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
             raise ValueError(f"draft_probs must have shape ({n}, {vocab}), got {q.shape}")
         keep.append(q)
         d.kind, d.dense = 1, _ptr("float *", q)
-    if batch <= 64:  # numpy reductions cost more than the list on small batches
+    if batch == 1:
+        lowest = max_draft = total = int(nd[0])
+    elif batch <= 64:  # numpy reductions cost more than the list on small batches
         counts = nd.tolist()
         lowest, max_draft, total = min(counts, default=0), max(counts, default=0), sum(counts)
     else:
@@ -475,7 +505,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     out_nodes = buf[batch * width + batch:].reshape(batch, max_draft)
     base = _ptr("int32_t *", buf)
     out = ffi.new(_T_OUT, (base, base + batch * width, base + batch * width + batch, max_draft))
-    err = ffi.new(_T_ERR)
+    err = _frame.err
     status = lib().sf_verify(_c_logits(a, code, stride, keep), d, params, m, out, err)
     if status:
         _raise(status, "specfast.verify", err.index,
