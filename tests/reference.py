@@ -190,6 +190,26 @@ def safe_params(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 # ---------------------------------------------------------------------------------------
 
 
+def philox4x32_10(seed, position, purpose, index):
+    """Philox4x32-10 of the counter (position lo, position hi, purpose, index) under the
+    key (seed lo, seed hi), written from the paper's definition (Salmon et al., SC'11)."""
+    m = 0xFFFFFFFF
+    k0, k1 = seed & m, seed >> 32
+    c = [position & m, (position >> 32) & m, purpose, index]
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & m, (p0 >> 32) ^ c[3] ^ k1, p0 & m]
+        k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
+    return c
+
+
+def accept_uniform(seed, position, index=0):
+    """The uniform of the acceptance test of the index-th child at (seed, position):
+    53 bits of Philox (purpose ACCEPT = 1), in (0, 1]."""
+    w = philox4x32_10(seed, position % 2**64, 1, index)
+    return ((((w[0] >> 5) << 26) | (w[1] >> 6)) + 1) / 2.0**53
+
+
 def children_of(parents, n):
     """{parent: [children in node order]} with -1 for row 0."""
     ch = {i: [] for i in range(-1, n)}

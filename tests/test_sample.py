@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 import specfast as sf
-from reference import as_f64, order_of, ref_probs, ref_probs_row, safe_params, to_dtype
+from reference import (
+    as_f64,
+    order_of,
+    philox4x32_10,
+    ref_probs,
+    ref_probs_row,
+    safe_params,
+    to_dtype,
+)
 from stats import assert_counts, assert_rate, assert_samples, scaled
 
 METHODS = ["rejection", "coupled"]
@@ -243,19 +251,6 @@ def test_sample_default_method_is_rejection(rng):
     )
 
 
-def _philox4x32_10(seed, position, purpose, index):
-    """Philox4x32-10 of the counter (position lo, position hi, purpose, index) under the
-    key (seed lo, seed hi), written from the paper's definition (Salmon et al., SC'11)."""
-    m = 0xFFFFFFFF
-    k0, k1 = seed & m, seed >> 32
-    c = [position & m, (position >> 32) & m, purpose, index]
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & m, (p0 >> 32) ^ c[3] ^ k1, p0 & m]
-        k0, k1 = (k0 + 0x9E3779B9) & m, (k1 + 0xBB67AE85) & m
-    return c
-
-
 def test_coupled_noise_words_are_philox(rng):
     """On a flat row every token ties, so the coupled token is the one with the largest
     Gumbel noise: the smallest Philox word (ALGORITHMS.md: token v takes word
@@ -266,7 +261,7 @@ def test_coupled_noise_words_are_philox(rng):
     for _ in range(60):
         seed = int(rng.integers(0, 2**64, dtype=np.uint64))
         pos = int(rng.integers(-(2**62), 2**62))
-        words = np.array([_philox4x32_10(seed, pos % 2**64, 3, (v >> 6) * 16 + (v & 15))
+        words = np.array([philox4x32_10(seed, pos % 2**64, 3, (v >> 6) * 16 + (v & 15))
                           [(v >> 4) & 3] for v in range(vocab)], np.int64)
         low = np.sort(words)[:2]
         if low[0] >> 8 == low[1] >> 8:  # the noise rounds them alike: a tie, skip

@@ -16,6 +16,7 @@ import pytest
 import specfast as sf
 from reference import (
     ToyLM,
+    accept_uniform,
     as_f64,
     build_toy_batch,
     call_verify,
@@ -386,6 +387,58 @@ def test_acceptance_decided_from_a_mass_bound_is_exact(kind, case, rng):
                         position=3, **params)
         accepted += int(np.asarray(res.num_accepted).sum())
     assert_rate(accepted, batch * calls, want, f"acceptance ({kind} q, {case})")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lone", [True, False], ids=["lone", "batch"])
+@pytest.mark.parametrize("kind", ["none", "dense"])
+def test_acceptance_near_the_bound_margin_is_the_exact_test(kind, lone, dtype, rng):
+    """The first draft's acceptance is decided from a bound of the row's mass when the
+    bound allows (formed in the max pass from the draft's own logit; split across
+    threads for a lone request), else from the exact mass; either way it must be
+    u q(x) < p(x). Each row is built so that p(x) lies a relative 1e-5 to 1e-2 above
+    or below u q(x), inside and around the bound's 1e-3 slack, and every decision is
+    checked against u (Philox, from its definition) and p(x) in float64."""
+    vocab, n = 40_000, 96
+    seeds = rng.integers(0, 2**63, n).astype(np.uint64)
+    positions = rng.integers(0, 2**40, n).astype(np.int64)
+    rows = to_dtype(rng.standard_normal((2 * n, vocab)).astype(np.float32) * 2.0, dtype)
+    x = rng.integers(0, vocab, n)
+    qx = 0.6 if kind == "dense" else 1.0
+    rel = rng.choice([1e-5, 1e-4, 5e-4, 1e-3, 2e-3, 1e-2], n) * rng.choice([-1, 1], n)
+    want = np.zeros(n, bool)
+    keep = np.zeros(n, bool)
+    for i in range(n):
+        u = accept_uniform(int(seeds[i]), int(positions[i]))
+        row = as_f64(rows[2 * i])
+        rest = np.exp(np.delete(row, x[i]) - row.max())
+        target = u * qx * (1 + rel[i])  # p(x) to aim at
+        if not 1e-4 < target < 0.999:
+            continue
+        rows[2 * i, x[i]] = to_dtype(np.array([row.max() + np.log(target / (1 - target) * rest.sum())],
+                                              np.float32), dtype)[0]
+        p = as_f64(rows[2 * i][None])[0]
+        p = np.exp(p - p.max())
+        p_x = p[x[i]] / p.sum()
+        if abs(u * qx - p_x) < 3e-6 * p_x:  # too close for float32 logits to say
+            continue
+        want[i], keep[i] = u * qx < p_x, True
+    q = None
+    if kind == "dense":
+        q = np.full((n, vocab), (1 - qx) / (vocab - 1), np.float32)
+        q[np.arange(n), x] = qx
+    tokens = x.astype(np.int32)
+    if lone:
+        got = np.array([sf.verify(rows[2 * i:2 * i + 2], tokens[i:i + 1], np.ones(1, np.int32),
+                                  draft_probs=None if q is None else q[i:i + 1],
+                                  seed=seeds[i:i + 1], position=positions[i:i + 1])
+                        .num_accepted[0] for i in range(n)])
+    else:
+        got = sf.verify(rows, tokens, np.ones(n, np.int32), draft_probs=q, seed=seeds,
+                        position=positions).num_accepted
+    assert keep.sum() > n // 2
+    np.testing.assert_array_equal(np.asarray(got)[keep] == 1, want[keep])
+    assert 0 < want[keep].sum() < keep.sum()
 
 
 # ---------------------------------------------------------------------------------------

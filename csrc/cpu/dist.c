@@ -77,8 +77,9 @@ typedef struct range_ctx {
     const sf_kernels *k;
     const sf_row *row; /* data, dtype, vocab; the row's max for the bound */
     int64_t per;
-    int bound;         /* 0: max pass, 1: mass bound */
-    double stop;       /* where the bound may stop */
+    int bound;         /* 0: max pass, 1: mass bound, 2: max pass and sum */
+    double stop;       /* where the bound (or sum) may stop */
+    float ref;         /* the sum's reference logit */
     float max[SF_MAX_SPLIT];
     int bad[SF_MAX_SPLIT];
     double mass[SF_MAX_SPLIT];
@@ -99,8 +100,10 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
     sub.data = (const char *)r->data + off;
     if (sub.next.data) sub.next.data = (const char *)sub.next.data + lo * sub.next.es;
     sub.vocab = n;
-    if (c->bound)
+    if (c->bound == 1)
         c->mass[part] = c->k->mass_bound(&sub, c->stop);
+    else if (c->bound == 2)
+        c->max[part] = c->k->row_max_sum(&sub, c->ref, c->stop, &c->mass[part], &c->bad[part]);
     else
         c->max[part] = c->k->row_max(&sub, &c->bad[part]);
     return SF_OK;
@@ -123,6 +126,20 @@ static float row_max_all(const sf_kernels *k, const sf_row *r, int *bad) {
     for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) {
         if (c.max[i] > m) m = c.max[i];
         *bad |= c.bad[i];
+    }
+    return m;
+}
+
+static float row_max_sum_all(const sf_kernels *k, const sf_row *r, float ref, double stop,
+                             double *sum, int *bad) {
+    range_ctx c = {.k = k, .row = r, .bound = 2, .stop = stop, .ref = ref};
+    if (!range_split(&c)) return k->row_max_sum(r, ref, stop, sum, bad);
+    float m = -INFINITY;
+    *sum = 0.0;
+    for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) {
+        if (c.max[i] > m) m = c.max[i];
+        *bad |= c.bad[i];
+        *sum += c.mass[i];
     }
     return m;
 }
@@ -251,7 +268,7 @@ sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
                           const sf_rowparams *p, int need_mass, sf_ahead next,
-                          float next_until) {
+                          float next_until, sf_ref_bound *rb) {
     sf_row *r = &d->row;
     r->data = data;
     r->dtype = dtype;
@@ -265,6 +282,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->next = r->also = (sf_ahead){NULL, 0};
     r->next_until = INFINITY;
 
+    if (rb) rb->sum = NAN;
     int bad = 0;
     float m;
     int64_t nc = -1; /* sorted top-k candidates, when the reservoir ran */
@@ -290,7 +308,12 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     } else {
         r->next = next;
         r->next_until = next_until;
-        m = row_max_all(k, r, &bad);
+        /* Without top-k or top-p the bound needs no cut: it comes with the
+         * max pass, in the same read. */
+        if (rb && (p->top_k <= 0 || p->top_k >= vocab) && p->top_p >= 1.0f)
+            m = row_max_sum_all(k, r, rb->ref, rb->stop, &rb->sum, &bad);
+        else
+            m = row_max_all(k, r, &bad);
         r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (m == -INFINITY) return SF_ERR_ALL_MASKED;
@@ -371,6 +394,16 @@ int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int3
     const double bound = mass_bound_all(k, &r, stop);
     if (bound > stop) return 0;
     return uq * (bound * 1.001 * SF_MASS_ONE + 1.0) < (double)w;
+}
+
+int sf_dist_ref_accepts(const sf_dist *d, double uq, int32_t x, double sum) {
+    /* p(x) = w(x) / total and total <= sum (w(x) + 1) (1 + 4e-7) when no
+     * exponent hit its cap, which holds for sure when w(x) >= 2^20: then no
+     * token is 2^20 times likelier than x (and 1 / w(x) <= 2^-20). The
+     * margin covers that and the float sums many times over. */
+    if (!(sum >= 0.0)) return 0;
+    const uint64_t w = sf_weight_at(&d->row, &d->in, x);
+    return w >= ((uint64_t)1 << 20) && uq * sum * 1.001 < 1.0;
 }
 
 static uint64_t weight(const sf_dist *d, int64_t v) {

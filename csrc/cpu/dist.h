@@ -34,6 +34,16 @@ static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
            (size_t)(row * l->row_stride) * (size_t)sf_dtype_size(l->dtype);
 }
 
+/* A bound of a row's mass seen from a draft token's logit `ref`, formed by
+ * the max pass in the same read: sum >= the sum of 2^((l - ref) c) (see
+ * sf_kernels.row_max_sum), or NAN where it was not formed (under top-k or
+ * top-p, whose cut needs the max first). */
+typedef struct sf_ref_bound {
+    float ref;
+    double stop; /* the sum may stop past this (<= 0: no sum) */
+    double sum;
+} sf_ref_bound;
+
 /* Reads a row's max and finds the cut of its filters (temperature > 0).
  * With need_mass, also forms its weights, total and block sums in `d`; when
  * d->resid[0] is set, the weights are stored there and read from it after.
@@ -43,7 +53,7 @@ static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,
                           const sf_rowparams *p, int need_mass, sf_ahead next,
-                          float next_until);
+                          float next_until, sf_ref_bound *rb);
 
 /* Forms the weights, total and block sums of a prepared row (what
  * sf_dist_prepare's need_mass does), prefetching `ahead`. */
@@ -56,6 +66,10 @@ sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead 
  * The row is prepared, its mass not formed, nothing rejected. */
 int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int32_t x,
                           sf_ahead ahead);
+
+/* 1 when u q(x) < p(x) holds for sure from a reference bound's sum (the
+ * row prepared with x's logit as ref); 0 says nothing. */
+int sf_dist_ref_accepts(const sf_dist *d, double uq, int32_t x, double sum);
 
 /* Greedy token of a row (the first largest logit), or an error status. */
 sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,

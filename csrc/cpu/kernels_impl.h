@@ -103,6 +103,83 @@ static float row_max(const sf_row *r, int *bad) {
     return mx;
 }
 
+/* max_span that also sums vexp2_up((l - ref) c) over the chunks, the
+ * exponent (times 2^23) capped to [-126, 127] 2^23. */
+static inline __attribute__((always_inline)) void
+max_sum_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf,
+             float ref, float c23, vf m[4], vi *nan, vf *sum) {
+    vf m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3];
+    vf s0 = vf_set(0.0f), s1 = s0;
+    vi bad = *nan;
+    int64_t i = *at;
+    for (; i + 4 * SF_W <= end; i += 4 * SF_W) {
+        fetch_ahead(pf, i, 4 * SF_W);
+        vf x0 = load_full(r->data, dtype, i), x1 = load_full(r->data, dtype, i + SF_W);
+        vf x2 = load_full(r->data, dtype, i + 2 * SF_W), x3 = load_full(r->data, dtype, i + 3 * SF_W);
+        m0 = vmaxf(x0, m0);
+        m1 = vmaxf(x1, m1);
+        m2 = vmaxf(x2, m2);
+        m3 = vmaxf(x3, m3);
+        bad |= (x0 != x0) | (x1 != x1) | (x2 != x2) | (x3 != x3);
+        s0 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x0 - ref) * c23));
+        s1 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x1 - ref) * c23));
+        s0 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x2 - ref) * c23));
+        s1 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x3 - ref) * c23));
+    }
+    m[0] = m0; m[1] = m1; m[2] = m2; m[3] = m3;
+    *nan = bad;
+    *sum = s0 + s1;
+    *at = i;
+}
+
+/* The max pass, and in the same read a bound seen from a reference logit
+ * (see sf_kernels.row_max_sum). */
+static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, int *bad) {
+    const int64_t n = r->vocab;
+    const float c23 = r->c <= 4.05e31f ? r->c * 8388608.0f : 3.40282347e38f;
+    vf m[4] = {vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY)};
+    vi nan = vi_set(0);
+    sf_ahead pf = r->next;
+    double total = 0.0;
+    int summing = stop > 0.0;
+    int64_t i = 0;
+    while (i + 4 * SF_W <= n) {
+        const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
+        if (summing) {
+            vf acc;
+            if (r->dtype == SF_F32) max_sum_span(r, SF_F32, &i, end, pf, ref, c23, m, &nan, &acc);
+            else if (r->dtype == SF_BF16) max_sum_span(r, SF_BF16, &i, end, pf, ref, c23, m, &nan, &acc);
+            else max_sum_span(r, SF_F16, &i, end, pf, ref, c23, m, &nan, &acc);
+            for (int j = 0; j < SF_W; j++) total += (double)acc[j];
+            summing = total <= stop;
+        } else {
+            fetch_ahead(pf, i, end - i);
+            if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, (sf_ahead){NULL, 0}, m, &nan);
+            else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, (sf_ahead){NULL, 0}, m, &nan);
+            else max_span(r, SF_F16, &i, end, (sf_ahead){NULL, 0}, m, &nan);
+        }
+        if (pf.data && vany((m[0] > r->next_until) | (m[1] > r->next_until) |
+                            (m[2] > r->next_until) | (m[3] > r->next_until)))
+            pf.data = NULL;
+        if (i < end) break; /* the tail of the row, under 4 chunks */
+    }
+    for (; i < n; i += SF_W) {
+        vf x = load_chunk(r->data, r->dtype, i, n);
+        m[0] = vmaxf(x, m[0]);
+        nan |= x != x;
+        if (summing) { /* -inf padding adds 2^-126 a lane: still a bound */
+            vf e = vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x - ref) * c23));
+            for (int j = 0; j < SF_W; j++) total += (double)e[j];
+        }
+    }
+    vf mm = vmaxf(vmaxf(m[0], m[1]), vmaxf(m[2], m[3]));
+    float mx = -INFINITY;
+    for (int j = 0; j < SF_W; j++) mx = mm[j] > mx ? mm[j] : mx;
+    *bad = vany(nan) || mx == INFINITY;
+    *sum = total;
+    return mx;
+}
+
 static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max) {
     for (int64_t i = 0; i < n; i += SF_W) {
         vf x = load_chunk(row, dtype, i, n);
@@ -425,5 +502,6 @@ static int64_t topk(const sf_row *r, int64_t k, int32_t *ids, float *vals,
 }
 
 const sf_kernels SF_TABLE = {
-    SF_TABLE_NAME, row_max, row_argmax, weights, mass_bound, coupled_argmax, gather, topk,
+    SF_TABLE_NAME, row_max, row_max_sum, row_argmax, weights, mass_bound, coupled_argmax,
+    gather, topk,
 };

@@ -22,7 +22,7 @@ static sf_status sample_one(void *arg, int64_t b, sf_scratch *s) {
     sf_dist d = {.n_over = 0};
     sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype,
                                    c->logits->vocab, &p, c->method == SF_REJECTION,
-                                   (sf_ahead){NULL, 0}, INFINITY);
+                                   (sf_ahead){NULL, 0}, INFINITY, NULL);
     if (st != SF_OK) return st;
     c->tokens[b] = c->method == SF_COUPLED
                        ? (int32_t)c->k->coupled_argmax(&d.row, p.seed, p.position)
@@ -47,7 +47,7 @@ static sf_status probs_one(void *arg, int64_t b, sf_scratch *s) {
     }
     sf_dist d = {.n_over = 0};
     sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1,
-                                   (sf_ahead){NULL, 0}, INFINITY);
+                                   (sf_ahead){NULL, 0}, INFINITY, NULL);
     if (st != SF_OK) return st;
     /* The pass stores each kept token's e; its weight is then exact. */
     sf_weights_out o;

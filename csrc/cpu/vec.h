@@ -102,6 +102,17 @@ SF_INLINE vf vmaxf(vf a, vf b) {
 #endif
 }
 
+/* a < b ? a : b, lane by lane (b where either is NaN). */
+SF_INLINE vf vminf(vf a, vf b) {
+#if SF_W == 16
+    return (vf)_mm512_min_ps((__m512)a, (__m512)b);
+#elif SF_W == 8
+    return (vf)_mm256_min_ps((__m256)a, (__m256)b);
+#else
+    return vsel(a < b, a, b);
+#endif
+}
+
 /* sf_exp2, lane by lane. */
 SF_INLINE vf vexp2(vf y) {
     const vf magic = vf_set(12582912.0f);

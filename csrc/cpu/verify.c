@@ -96,7 +96,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 st = sf_row_greedy(c->k, row, c->logits->dtype, vocab, &emit);
             } else {
                 st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0,
-                                     ahead, INFINITY);
+                                     ahead, INFINITY, NULL);
                 /* The noise pass computes more than it reads: it fetches the
                  * rest meanwhile. */
                 d.row.next = ahead;
@@ -111,18 +111,21 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
              * children are accepted from a bound on it. The max pass reads
              * the child's row ahead until the max shows that u q(x) >=
              * e^((l(x) - max) / T) >= p(x): a sure rejection, which reads
-             * that row never. */
+             * that row never. The same pass bounds the mass from the first
+             * child's logit, which then decides most acceptances. */
             float until = INFINITY;
+            sf_ref_bound rb = {0.0f, -1.0, NAN};
             if (first[cur + 1] >= 0) {
                 const int32_t x = tok[first[cur + 1]];
                 const float qx = draft_prob(dr, node0 + first[cur + 1], x, vocab);
                 const double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, 0));
-                until = qx > 0.0f ? (float)(sf_load(row, c->logits->dtype, x) -
-                                            p.temperature * log(u * qx))
-                                  : -INFINITY;
+                rb.ref = sf_load(row, c->logits->dtype, x);
+                until = qx > 0.0f ? (float)(rb.ref - p.temperature * log(u * qx)) : -INFINITY;
+                /* Past this sum sf_dist_ref_accepts cannot accept. */
+                rb.stop = 1.0 / (u * (double)qx * 1.001);
             }
             st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, ahead,
-                                 until);
+                                 until, first[cur + 1] >= 0 ? &rb : NULL);
             if (st != SF_OK) return st;
             int have_mass = 0;
             uint32_t j = 0;
@@ -133,7 +136,11 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 if (!(qx >= 0.0f && qx <= 1.001f)) return SF_ERR_DRAFT_PROBS;
                 double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
                 if (!have_mass) {
-                    if (qx > 0.0f && sf_dist_bound_accepts(&d, c->k, u * (double)qx, x, child)) {
+                    /* Only the first child comes here: a rejection forms the mass. */
+                    const int sure = isnan(rb.sum)
+                        ? qx > 0.0f && sf_dist_bound_accepts(&d, c->k, u * (double)qx, x, child)
+                        : qx > 0.0f && sf_dist_ref_accepts(&d, u * (double)qx, x, rb.sum);
+                    if (sure) {
                         accepted = ch;
                         break;
                     }
