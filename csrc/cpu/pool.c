@@ -38,6 +38,8 @@ typedef struct sf_job {
     atomic_llong next, done;
     int64_t fail_item;
     sf_status fail_status;
+    int split;                /* parts of one task (n <= 64): see run_job */
+    atomic_ullong taken;      /* the parts claimed, when split */
 } sf_job;
 
 static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -75,7 +77,37 @@ static int wanted_threads(void) {
     return n > 256 ? 256 : n;
 }
 
-static void run_job(sf_job *j, sf_scratch *s) {
+static void run_item(sf_job *j, int64_t i, sf_scratch *s) {
+    sf_status st = j->fn(j->ctx, i, s);
+    if (st != SF_OK) {
+        pthread_mutex_lock(&P.mu);
+        if (j->fail_item < 0 || i < j->fail_item) {
+            j->fail_item = i;
+            j->fail_status = st;
+        }
+        pthread_mutex_unlock(&P.mu);
+    }
+    if (atomic_fetch_add(&j->done, 1) + 1 == j->n) {
+        pthread_mutex_lock(&P.mu);
+        pthread_cond_broadcast(&P.done);
+        pthread_mutex_unlock(&P.mu);
+    }
+}
+
+/* Runs items of `j` on thread `tid` (0: the caller) until none is left. */
+static void run_job(sf_job *j, sf_scratch *s, int tid) {
+    if (j->split) {
+        /* Part tid first: a lone request's rows split the same way in every
+         * pass, so each thread reads again the part that its own cache holds
+         * (taking parts as they come moved half of every row between cores).
+         * Then any part left, so that a slow thread delays nothing. */
+        for (int64_t k = 0; k < j->n; k++) {
+            const int64_t i = (tid + k) % j->n;
+            const unsigned long long bit = 1ull << i;
+            if (!(atomic_fetch_or(&j->taken, bit) & bit)) run_item(j, i, s);
+        }
+        return;
+    }
     /* While items remain for every thread, each claims its next item before
      * running the current one, so that the task can prefetch that item's
      * data while it computes (near the end, claiming ahead would leave a
@@ -89,20 +121,7 @@ static void run_job(sf_job *j, sf_scratch *s) {
             if (after >= j->n) after = -1;
         }
         if (s) s->upcoming = after;
-        sf_status st = j->fn(j->ctx, i, s);
-        if (st != SF_OK) {
-            pthread_mutex_lock(&P.mu);
-            if (j->fail_item < 0 || i < j->fail_item) {
-                j->fail_item = i;
-                j->fail_status = st;
-            }
-            pthread_mutex_unlock(&P.mu);
-        }
-        if (atomic_fetch_add(&j->done, 1) + 1 == j->n) {
-            pthread_mutex_lock(&P.mu);
-            pthread_cond_broadcast(&P.done);
-            pthread_mutex_unlock(&P.mu);
-        }
+        run_item(j, i, s);
         i = after >= 0 ? after : atomic_fetch_add(&j->next, 1);
     }
 }
@@ -130,7 +149,7 @@ static void *worker_main(void *arg) {
         /* Join only a job still running: the caller may be done with it
          * (its items all taken by faster threads) and gone. */
         atomic_fetch_add(&P.inflight, 1);
-        if (atomic_load(&P.current) == seen) run_job(P.job, &P.scratch[id]);
+        if (atomic_load(&P.current) == seen) run_job(P.job, &P.scratch[id], id);
         atomic_fetch_sub(&P.inflight, 1);
         pthread_mutex_lock(&P.mu);
         stop = P.shutdown;
@@ -184,7 +203,7 @@ static void run_everywhere(sf_job *j, sf_scratch *s) {
     atomic_fetch_add(&P.generation, 1);
     if (atomic_load(&P.sleepers) > 0) pthread_cond_broadcast(&P.go);
     pthread_mutex_unlock(&P.mu);
-    run_job(j, s);
+    run_job(j, s, 0);
     int spins = 0;
     while (atomic_load(&j->done) < j->n && spins < SF_SPIN) { SF_PAUSE(); spins++; }
     if (atomic_load(&j->done) < j->n) {
@@ -205,12 +224,12 @@ sf_status sf_parallel_for(int64_t n, sf_task_fn fn, void *ctx,
         *fail_item = -1;
         return st;
     }
-    sf_job j = {fn, ctx, n, 0, 0, -1, SF_OK};
+    sf_job j = {fn, ctx, n, 0, 0, -1, SF_OK, 0, 0};
     if (n > 1 && P.started > 0) {
         run_everywhere(&j, &P.scratch[0]);
     } else {
         P.single = 1;
-        run_job(&j, &P.scratch[0]);
+        run_job(&j, &P.scratch[0], 0);
         P.single = 0;
     }
     *fail_item = j.fail_item;
@@ -221,8 +240,8 @@ sf_status sf_parallel_for(int64_t n, sf_task_fn fn, void *ctx,
 
 int sf_parallel_split(int64_t n, sf_task_fn fn, void *ctx) {
     /* Only from inside a one-item job: then the workers are idle. */
-    if (!P.single || P.started == 0 || n < 2) return 0;
-    sf_job j = {fn, ctx, n, 0, 0, -1, SF_OK};
+    if (!P.single || P.started == 0 || n < 2 || n > 64) return 0;
+    sf_job j = {fn, ctx, n, 0, 0, -1, SF_OK, 1, 0};
     P.single = 0;
     run_everywhere(&j, NULL);
     P.single = 1;
