@@ -10,7 +10,7 @@ static const sf_kernels *pick(void) {
     int level = 0;
 #if defined(SF_X86_LEVELS)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) level = 1;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) level = 1;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
         level = 2;

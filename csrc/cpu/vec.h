@@ -64,8 +64,14 @@ SF_INLINE vf vbf16(const uint16_t *p) {
     return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
-/* sf_f16_to_f32, lane by lane. */
+/* sf_f16_to_f32, lane by lane: one instruction where the level has F16C (an
+ * exact conversion; NaNs may differ in payload, and are rejected anyway). */
 SF_INLINE vf vf16(const uint16_t *p) {
+#if SF_W == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif SF_W == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
     vh h16;
     memcpy(&h16, p, sizeof h16);
     vu h = __builtin_convertvector(h16, vu);
@@ -77,6 +83,7 @@ SF_INLINE vf vf16(const uint16_t *p) {
     vu sub = sign | (vu)subf;
     vi is0 = (vi)(exp == 0), is31 = (vi)(exp == 31);
     return (vf)(((vu)is0 & sub) | ((vu)is31 & special) | (~(vu)(is0 | is31) & normal));
+#endif
 }
 
 /* max(y, lo) for y not NaN: one instruction where the level has one. */
