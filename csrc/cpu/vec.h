@@ -157,16 +157,24 @@ SF_INLINE vf vexp2_up_scaled(vf y23) {
 SF_INLINE void vmulhilo(vu a, uint32_t k, vu *hi, vu *lo) {
     typedef uint64_t vq2 __attribute__((vector_size(SF_W * 4)));
     const vq2 low = (vq2){0} + 0xFFFFFFFFull;
-#if SF_W == 16 /* GCC picks the slower 64-bit vpmullq here: ask for vpmuludq */
+#if SF_W == 16
+    /* vpmuludq (GCC picks the slower 64-bit vpmullq), and in-lane dword
+     * shuffles rather than shifts to sort the halves: 512-bit shifts and
+     * multiplies share one port, shuffles take the other. */
+    (void)low;
     const __m512i kk = _mm512_set1_epi64((long long)k);
-    const vq2 even = (vq2)_mm512_mul_epu32((__m512i)a, kk);
-    const vq2 odd = (vq2)_mm512_mul_epu32(_mm512_srli_epi64((__m512i)a, 32), kk);
+    const __m512i even = _mm512_mul_epu32((__m512i)a, kk);
+    const __m512i odd = _mm512_mul_epu32(_mm512_shuffle_epi32((__m512i)a, _MM_PERM_CDAB), kk);
+    /* Dword 2m + 1 of even holds hi(a[2m] k), of odd hi(a[2m + 1] k); dword
+     * 2m of each, the lo halves. */
+    *hi = (vu)_mm512_mask_shuffle_epi32(odd, 0x5555, even, _MM_PERM_CDAB);
+    *lo = (vu)_mm512_mask_shuffle_epi32(even, 0xAAAA, odd, _MM_PERM_CDAB);
 #else
     const vq2 x = (vq2)a;
     const vq2 even = (x & low) * (uint64_t)k, odd = (x >> 32) * (uint64_t)k;
-#endif
     *hi = (vu)((even >> 32) | (odd & ~low));
     *lo = (vu)((even & low) | (odd << 32));
+#endif
 }
 
 /* sf_philox for SF_W counters that differ only in their index word (the
