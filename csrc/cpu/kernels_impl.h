@@ -360,65 +360,93 @@ static double mass_bound(const sf_row *r, double stop) {
 /* No Philox word gives Gumbel noise above this (sf_gumbel of word 0). */
 #define SF_GUMBEL_MAX 23.0f
 
+/* One 64-token group of coupled_argmax: its scaled logits and kept lanes. */
+typedef struct noise_group {
+    vf s[64 / SF_W];
+    vi keep[64 / SF_W];
+    int live; /* some token may beat the best key */
+} noise_group;
+
+static inline __attribute__((always_inline)) void
+noise_group_load(const sf_row *r, int64_t i0, float best, noise_group *g) {
+    const int64_t n = r->vocab;
+    vf smax = vf_set(-INFINITY);
+    for (int c = 0; c < 64 / SF_W; c++) {
+        const int64_t i = i0 + c * SF_W;
+        vf x = i < n ? load_chunk(r->data, r->dtype, i, n) : vf_set(-INFINITY);
+        g->keep[c] = above_cut(r, x, i);
+        if (r->min_e > 0.0f) g->keep[c] &= row_e(r, x) >= r->min_e;
+        g->s[c] = vsel(g->keep[c], scaled(r, x), vf_set(-INFINITY));
+        smax = vsel(g->s[c] > smax, g->s[c], smax);
+    }
+    /* A token's key is s + G with G <= SF_GUMBEL_MAX (lane by lane, the
+     * same test as on the largest s: rounding is monotone). */
+    g->live = vany(best - smax <= SF_GUMBEL_MAX);
+}
+
+/* The group's candidates given its noise words w (see sf_noise_word), each
+ * tested exactly against the best key. */
+static inline __attribute__((always_inline)) void
+noise_group_best(const noise_group *g, int64_t i0, vu w[16 / SF_W][4], float *best,
+                 int64_t *best_id) {
+    enum { PER = 64 / SF_W };
+    /* Chunk c holds tokens i0 + c SF_W ..: word (c SF_W) / 16 of the call
+     * covering lanes (c SF_W) % 16 onwards. Per token: noise above g = best -
+     * s needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g)) < exp(-g): a
+     * word below 2^32 exp(-g). The limit is doubled, plus slack for rounding,
+     * and the exp taken from the chord's upper bound: only a few more
+     * candidates, each then tested exactly. */
+    vi cand[PER], any = vi_set(0);
+    for (int c = 0; c < PER; c++) {
+        const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
+        vf gap = *best - g->s[c];
+        gap = vsel(gap > 0.0f, gap, vf_set(0.0f));
+        vf lim = vexp2_up(gap * -SF_LOG2E) * 8589934592.0f + 4096.0f;
+        cand[c] = g->keep[c] & (__builtin_convertvector(word, vf) < lim);
+        any |= cand[c];
+    }
+    if (!vany(any)) return;
+    for (int c = 0; c < PER; c++) {
+        const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
+        if (!vany(cand[c])) continue;
+        for (int j = 0; j < SF_W; j++) {
+            if (!cand[c][j]) continue;
+            const int64_t id = i0 + c * SF_W + j;
+            float key = SF_FADD(g->s[c][j], sf_gumbel(word[j]));
+            if (key > *best || (key == *best && id < *best_id)) {
+                *best = key;
+                *best_id = id;
+            }
+        }
+    }
+}
+
 static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) {
-    /* 64 tokens at a time: 16 Philox blocks give their noise words (see
-     * sf_noise_word), computed SF_W blocks per vector call. */
-    enum { PER = 64 / SF_W, CALLS = 16 / SF_W };
+    /* 128 tokens at a time, two groups of 64: each group's 16 Philox blocks
+     * give its noise words, SF_W blocks per vector call, and the two groups'
+     * calls run side by side (one call's rounds are a chain of dependent
+     * multiplies). */
+    enum { CALLS = 16 / SF_W };
     const int64_t n = r->vocab;
     /* Start from the most probable token (always kept): on a peaked row its
      * key rules out most others before any of their noise is drawn. */
     int64_t best_id = row_argmax(r->data, r->dtype, n, r->max);
     float best = sf_gumbel(sf_noise_word(seed, position, best_id));
     const vphilox_key key = vphilox_init(seed, position, SF_PURPOSE_NOISE);
-    for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 64) {
-        fetch_ahead(r->next, i0, 64);
-        fetch_ahead(r->also, i0, 64);
-        vf s[PER];
-        vi keep[PER];
-        vf smax = vf_set(-INFINITY);
-        for (int c = 0; c < PER; c++) {
-            const int64_t i = i0 + c * SF_W;
-            vf x = i < n ? load_chunk(r->data, r->dtype, i, n) : vf_set(-INFINITY);
-            keep[c] = above_cut(r, x, i);
-            if (r->min_e > 0.0f) keep[c] &= row_e(r, x) >= r->min_e;
-            s[c] = vsel(keep[c], scaled(r, x), vf_set(-INFINITY));
-            smax = vsel(s[c] > smax, s[c], smax);
-        }
-        /* A token's key is s + G with G <= SF_GUMBEL_MAX (lane by lane, the
-         * same test as on the largest s: rounding is monotone). */
-        if (!vany(best - smax <= SF_GUMBEL_MAX)) continue;
-        vu w[CALLS][4];
+    for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 128) {
+        fetch_ahead(r->next, i0, 128);
+        fetch_ahead(r->also, i0, 128);
+        noise_group ga, gb;
+        noise_group_load(r, i0, best, &ga);
+        gb.live = 0;
+        if (i0 + 64 < n) noise_group_load(r, i0 + 64, best, &gb);
+        if (!ga.live && !gb.live) continue;
+        vu wa[CALLS][4], wb[CALLS][4];
         for (int h = 0; h < CALLS; h++)
-            vphilox(&key, (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)), w[h]);
-        /* Chunk c holds tokens i0 + c SF_W ..: word (c SF_W) / 16 of the
-         * call covering lanes (c SF_W) % 16 onwards. Per token: noise above
-         * g = best - s needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g))
-         * < exp(-g): a word below 2^32 exp(-g). The limit is doubled, plus
-         * slack for rounding, and the exp taken from the chord's upper bound:
-         * only a few more candidates, each then tested exactly. */
-        vi cand[PER], any = vi_set(0);
-        for (int c = 0; c < PER; c++) {
-            const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
-            vf g = best - s[c];
-            g = vsel(g > 0.0f, g, vf_set(0.0f));
-            vf lim = vexp2_up(g * -SF_LOG2E) * 8589934592.0f + 4096.0f;
-            cand[c] = keep[c] & (__builtin_convertvector(word, vf) < lim);
-            any |= cand[c];
-        }
-        if (!vany(any)) continue;
-        for (int c = 0; c < PER; c++) {
-            const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
-            if (!vany(cand[c])) continue;
-            for (int j = 0; j < SF_W; j++) {
-                if (!cand[c][j]) continue;
-                const int64_t id = i0 + c * SF_W + j;
-                float key = SF_FADD(s[c][j], sf_gumbel(word[j]));
-                if (key > best || (key == best && id < best_id)) {
-                    best = key;
-                    best_id = id;
-                }
-            }
-        }
+            vphilox2(&key, (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)),
+                     (vu)vi_iota((int32_t)((i0 >> 6) * 16 + 16 + h * SF_W)), wa[h], wb[h]);
+        if (ga.live) noise_group_best(&ga, i0, wa, &best, &best_id);
+        if (gb.live) noise_group_best(&gb, i0 + 64, wb, &best, &best_id);
     }
     return best_id;
 }

@@ -214,26 +214,41 @@ SF_INLINE vphilox_key vphilox_init(uint64_t seed, int64_t position, uint32_t pur
     return q;
 }
 
-SF_INLINE void vphilox(const vphilox_key *q, vu index, vu out[4]) {
-    vu hi, lo;
-    /* Round 2: only c2 = b1 ^ index differs between lanes. */
-    vmulhilo(index ^ q->b1, 0xCD9E8D57u, &hi, &lo);
-    vu c0 = hi ^ (q->c1 ^ q->k0[1]), c1 = lo;
-    /* Round 3: only c0 differs. */
-    vmulhilo(c0, 0xD2511F53u, &hi, &lo);
-    c0 = c1 ^ (q->he3 ^ q->k0[2]);
-    vu c2 = hi ^ (q->f2 ^ q->k1[2]), c3 = lo;
-    c1 = (vu){0} + q->le3;
-    for (int r = 3; r < 10; r++) {
-        vu hi0, lo0, hi1, lo1;
-        vmulhilo(c0, 0xD2511F53u, &hi0, &lo0);
-        vmulhilo(c2, 0xCD9E8D57u, &hi1, &lo1);
-        c0 = hi1 ^ c1 ^ q->k0[r];
-        c2 = hi0 ^ c3 ^ q->k1[r];
-        c1 = lo1;
-        c3 = lo0;
+/* vphilox of two index vectors, their rounds interleaved: each round waits
+ * on its multiplies, so one chain alone leaves the units idle. */
+SF_INLINE void vphilox2(const vphilox_key *q, vu index_a, vu index_b, vu out_a[4],
+                        vu out_b[4]) {
+    vu idx[2] = {index_a, index_b};
+    vu c0[2], c1[2], c2[2], c3[2];
+    for (int t = 0; t < 2; t++) {
+        vu hi, lo;
+        /* Round 2: only c2 = b1 ^ index differs between lanes. */
+        vmulhilo(idx[t] ^ q->b1, 0xCD9E8D57u, &hi, &lo);
+        c0[t] = hi ^ (q->c1 ^ q->k0[1]);
+        c1[t] = lo;
     }
-    out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+    for (int t = 0; t < 2; t++) {
+        vu hi, lo;
+        /* Round 3: only c0 differs. */
+        vmulhilo(c0[t], 0xD2511F53u, &hi, &lo);
+        c0[t] = c1[t] ^ (q->he3 ^ q->k0[2]);
+        c2[t] = hi ^ (q->f2 ^ q->k1[2]);
+        c3[t] = lo;
+        c1[t] = (vu){0} + q->le3;
+    }
+    for (int r = 3; r < 10; r++) {
+        for (int t = 0; t < 2; t++) {
+            vu hi0, lo0, hi1, lo1;
+            vmulhilo(c0[t], 0xD2511F53u, &hi0, &lo0);
+            vmulhilo(c2[t], 0xCD9E8D57u, &hi1, &lo1);
+            c0[t] = hi1 ^ c1[t] ^ q->k0[r];
+            c2[t] = hi0 ^ c3[t] ^ q->k1[r];
+            c1[t] = lo1;
+            c3[t] = lo0;
+        }
+    }
+    out_a[0] = c0[0]; out_a[1] = c1[0]; out_a[2] = c2[0]; out_a[3] = c3[0];
+    out_b[0] = c0[1]; out_b[1] = c1[1]; out_b[2] = c2[1]; out_b[3] = c3[1];
 }
 
 /* sf_resid, lane by lane. */
