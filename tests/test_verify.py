@@ -441,6 +441,23 @@ def test_acceptance_near_the_bound_margin_is_the_exact_test(kind, lone, dtype, r
     assert 0 < want[keep].sum() < keep.sum()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bound_from_the_draft_logit_at_a_tiny_temperature(dtype):
+    """At T = 1e-33 a logit gap of 1e-32 is a factor e^10: p(x) = 1 / (1 + e^10). The
+    bound formed from the draft's logit must not lose the term of the token above it
+    when c = log2(e) / T is too large to scale (a capped factor once shrank it, and
+    drafts were accepted 41% of the time)."""
+    n, vocab = 20_000, 64
+    row = np.full(vocab, -np.inf, np.float32)
+    row[5], row[9] = 0.0, 1e-32
+    logits = to_dtype(np.tile(row, (2 * n, 1)), dtype)
+    p_x = as_f64(logits[:1])[0]
+    p_x = 1.0 / (1.0 + np.exp((p_x[9] - p_x[5]) / 1e-33))
+    res = sf.verify(logits, np.full(n, 5, np.int32), np.ones(n, np.int32), temperature=1e-33,
+                    seed=np.arange(n, dtype=np.uint64), position=7)
+    assert_rate(int(np.asarray(res.num_accepted).sum()), n, p_x, "acceptance at T = 1e-33")
+
+
 # ---------------------------------------------------------------------------------------
 # Keys: the bonus token is sample()'s token at the same (seed, position)
 # ---------------------------------------------------------------------------------------

@@ -397,10 +397,11 @@ int sf_dist_bound_accepts(const sf_dist *d, const sf_kernels *k, double uq, int3
 }
 
 int sf_dist_ref_accepts(const sf_dist *d, double uq, int32_t x, double sum) {
-    /* p(x) = w(x) / total and total <= sum (w(x) + 1) (1 + 4e-7) when no
-     * exponent hit its cap, which holds for sure when w(x) >= 2^20: then no
-     * token is 2^20 times likelier than x (and 1 / w(x) <= 2^-20). The
-     * margin covers that and the float sums many times over. */
+    /* p(x) = w(x) / total, and total <= sum (w(x) + 1) times 1 + 1e-4 (exp2's
+     * error, rounded exponents, float sums) when no exponent hit its cap of
+     * 127, which holds for sure when w(x) >= 2^20: then no token is 2^20
+     * times likelier than x (and 1 / w(x) <= 2^-20). The margin covers that
+     * many times over. A sum that is +inf or NaN accepts nothing. */
     if (!(sum >= 0.0)) return 0;
     const uint64_t w = sf_weight_at(&d->row, &d->in, x);
     return w >= ((uint64_t)1 << 20) && uq * sum * 1.001 < 1.0;

@@ -47,8 +47,10 @@ typedef struct sf_ref_bound {
 /* Reads a row's max and finds the cut of its filters (temperature > 0).
  * With need_mass, also forms its weights, total and block sums in `d`; when
  * d->resid[0] is set, the weights are stored there and read from it after.
- * The max pass prefetches the first half of `next`, stopping once the max
- * passes next_until (see sf_row).
+ * The max pass prefetches the first half of `next` (all of it when it also
+ * forms rb's sum), stopping once the max passes next_until (see sf_row).
+ * With rb (its ref and stop set), the max pass also forms rb->sum where the
+ * row has no top-k or top-p cut; elsewhere rb->sum is NAN.
  * Returns SF_ERR_LOGITS or SF_ERR_ALL_MASKED for a bad row. */
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           const void *data, sf_dtype dtype, int64_t vocab,

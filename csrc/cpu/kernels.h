@@ -72,10 +72,11 @@ typedef struct sf_kernels {
     float (*row_max)(const sf_row *row, int *bad);
     /* row_max, and in the same read an upper bound of the row's mass seen
      * from the logit `ref` (a draft token's): *sum >= the sum over tokens of
-     * 2^((l - ref) c), exponents capped at 127, to a relative 1e-4. The sum
-     * stops, past `stop`, once it passes `stop` (no sum when stop <= 0); the
-     * max goes on. Prefetches all of row->next at this pass's pace, until the
-     * max passes row->next_until. */
+     * 2^((l - ref) c), each exponent capped at 127, to a relative 1e-4. Once
+     * the sum passes `stop` it stops (the max goes on) and *sum is +inf, as
+     * it is when stop <= 0, ref is -inf or c 2^23 overflows. Prefetches all
+     * of row->next at this pass's pace, until the max passes
+     * row->next_until. */
     float (*row_max_sum)(const sf_row *row, float ref, double stop, double *sum, int *bad);
     /* First index whose logit equals `max` (the row's largest). */
     int64_t (*row_argmax)(const void *row, sf_dtype dtype, int64_t vocab,

@@ -136,12 +136,14 @@ max_sum_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead
  * (see sf_kernels.row_max_sum). */
 static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, int *bad) {
     const int64_t n = r->vocab;
-    const float c23 = r->c <= 4.05e31f ? r->c * 8388608.0f : 3.40282347e38f;
+    /* No sum (it is then +inf) when c 2^23 overflows (a cap would shrink the
+     * terms of tokens above ref) or ref is -inf (l - ref would be NaN). */
+    const float c23 = r->c * 8388608.0f;
     vf m[4] = {vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY)};
     vi nan = vi_set(0);
     sf_ahead pf = r->next;
     double total = 0.0;
-    int summing = stop > 0.0;
+    int summing = stop > 0.0 && r->c <= 4.05e31f && ref > -INFINITY;
     int64_t i = 0;
     while (i + 4 * SF_W <= n) {
         const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
@@ -176,7 +178,8 @@ static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, i
     float mx = -INFINITY;
     for (int j = 0; j < SF_W; j++) mx = mm[j] > mx ? mm[j] : mx;
     *bad = vany(nan) || mx == INFINITY;
-    *sum = total;
+    /* A sum cut short (or never formed) bounds nothing: it says so. */
+    *sum = summing ? total : INFINITY;
     return mx;
 }
 

@@ -180,7 +180,7 @@ SF_INLINE void vmulhilo(vu a, uint32_t k, vu *hi, vu *lo) {
 /* sf_philox for SF_W counters that differ only in their index word (the
  * last). Only the index varies, so the first round is the same for every
  * lane but for one xor, and rounds 2 and 3 each have one multiply that is the
- * same for every lane: vphilox_init computes those once (per row), vphilox
+ * same for every lane: vphilox_init computes those once (per row), vphilox2
  * the rest, 16 vector multiplies instead of 20. */
 typedef struct vphilox_key {
     uint32_t b1;             /* round 1: c2 = b1 ^ index; c0, c1, c3 are: */
