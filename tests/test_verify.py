@@ -389,7 +389,7 @@ def test_acceptance_decided_from_a_mass_bound_is_exact(kind, case, rng):
     assert_rate(accepted, batch * calls, want, f"acceptance ({kind} q, {case})")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("lone", [True, False], ids=["lone", "batch"])
 @pytest.mark.parametrize("kind", ["none", "dense"])
 def test_acceptance_near_the_bound_margin_is_the_exact_test(kind, lone, dtype, rng):
