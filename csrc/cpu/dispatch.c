@@ -3,6 +3,9 @@
  * vectors. */
 #include <stdlib.h>
 #include <string.h>
+#if defined(SF_X86_LEVELS)
+#include <cpuid.h>
+#endif
 
 #include "kernels.h"
 
@@ -10,7 +13,11 @@ static const sf_kernels *pick(void) {
     int level = 0;
 #if defined(SF_X86_LEVELS)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) level = 1;
+    /* The avx2 level widens float16 with F16C (not a name clang's
+     * __builtin_cpu_supports knows: read CPUID leaf 1). */
+    unsigned a, b, c, d;
+    const int f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    if (__builtin_cpu_supports("avx2") && f16c) level = 1;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
         level = 2;
