@@ -48,72 +48,22 @@ static inline __attribute__((always_inline)) vf load_full(const void *row, sf_dt
     return vf16((const uint16_t *)row + i);
 }
 
-/* The max pass over whole groups of 4 chunks in [*i, end), dtype known at
- * compile time: four chains of maxima, so that the max latency overlaps. */
+/* The max pass over whole groups of 4 chunks in [*at, end), dtype known at
+ * compile time: four chains of maxima, so that the max latency overlaps.
+ * With `with_sum` (a constant at each call site) it also adds
+ * vexp2_up((l - ref) c) into *sum, the exponent (times 2^23) capped to
+ * [-126, 127] 2^23, and prefetches pf at its own pace; without, at half. */
 static inline __attribute__((always_inline)) void
-max_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf, vf m[4],
-         vi *nan) {
-    vf m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3];
-    vi bad = *nan;
-    int64_t i = *at;
-    for (; i + 4 * SF_W <= end; i += 4 * SF_W) {
-        fetch_ahead(pf, i / 2, 2 * SF_W);
-        vf x0 = load_full(r->data, dtype, i), x1 = load_full(r->data, dtype, i + SF_W);
-        vf x2 = load_full(r->data, dtype, i + 2 * SF_W), x3 = load_full(r->data, dtype, i + 3 * SF_W);
-        m0 = vmaxf(x0, m0);
-        m1 = vmaxf(x1, m1);
-        m2 = vmaxf(x2, m2);
-        m3 = vmaxf(x3, m3);
-        bad |= (x0 != x0) | (x1 != x1) | (x2 != x2) | (x3 != x3);
-    }
-    m[0] = m0; m[1] = m1; m[2] = m2; m[3] = m3;
-    *nan = bad;
-    *at = i;
-}
-
-static float row_max(const sf_row *r, int *bad) {
-    /* A NaN never wins a compare, so it is flagged apart; +inf shows as the
-     * max. */
-    const int64_t n = r->vocab;
-    vf m[4] = {vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY), vf_set(-INFINITY)};
-    vi nan = vi_set(0);
-    /* Half of r->next, at half this pass's pace, until the max passes
-     * r->next_until (checked once a block). */
-    sf_ahead pf = r->next;
-    int64_t i = 0;
-    while (i + 4 * SF_W <= n) {
-        const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
-        if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, pf, m, &nan);
-        else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, pf, m, &nan);
-        else max_span(r, SF_F16, &i, end, pf, m, &nan);
-        if (pf.data && vany((m[0] > r->next_until) | (m[1] > r->next_until) |
-                            (m[2] > r->next_until) | (m[3] > r->next_until)))
-            pf.data = NULL;
-        if (i < end) break; /* the tail of the row, under 4 chunks */
-    }
-    for (; i < n; i += SF_W) {
-        vf x = load_chunk(r->data, r->dtype, i, n);
-        m[0] = vmaxf(x, m[0]);
-        nan |= x != x;
-    }
-    vf mm = vmaxf(vmaxf(m[0], m[1]), vmaxf(m[2], m[3]));
-    float mx = -INFINITY;
-    for (int j = 0; j < SF_W; j++) mx = mm[j] > mx ? mm[j] : mx;
-    *bad = vany(nan) || mx == INFINITY;
-    return mx;
-}
-
-/* max_span that also sums vexp2_up((l - ref) c) over the chunks, the
- * exponent (times 2^23) capped to [-126, 127] 2^23. */
-static inline __attribute__((always_inline)) void
-max_sum_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf,
-             float ref, float c23, vf m[4], vi *nan, vf *sum) {
+max_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf,
+         const int with_sum, float ref, float c23, vf m[4], vi *nan, vf *sum) {
     vf m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3];
     vf s0 = vf_set(0.0f), s1 = s0;
+    const vf cap = vf_set(127.0f * 8388608.0f);
     vi bad = *nan;
     int64_t i = *at;
     for (; i + 4 * SF_W <= end; i += 4 * SF_W) {
-        fetch_ahead(pf, i, 4 * SF_W);
+        if (with_sum) fetch_ahead(pf, i, 4 * SF_W);
+        else fetch_ahead(pf, i / 2, 2 * SF_W);
         vf x0 = load_full(r->data, dtype, i), x1 = load_full(r->data, dtype, i + SF_W);
         vf x2 = load_full(r->data, dtype, i + 2 * SF_W), x3 = load_full(r->data, dtype, i + 3 * SF_W);
         m0 = vmaxf(x0, m0);
@@ -121,20 +71,27 @@ max_sum_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead
         m2 = vmaxf(x2, m2);
         m3 = vmaxf(x3, m3);
         bad |= (x0 != x0) | (x1 != x1) | (x2 != x2) | (x3 != x3);
-        s0 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x0 - ref) * c23));
-        s1 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x1 - ref) * c23));
-        s0 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x2 - ref) * c23));
-        s1 += vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x3 - ref) * c23));
+        if (with_sum) {
+            s0 += vexp2_up_scaled(vminf(cap, (x0 - ref) * c23));
+            s1 += vexp2_up_scaled(vminf(cap, (x1 - ref) * c23));
+            s0 += vexp2_up_scaled(vminf(cap, (x2 - ref) * c23));
+            s1 += vexp2_up_scaled(vminf(cap, (x3 - ref) * c23));
+        }
     }
     m[0] = m0; m[1] = m1; m[2] = m2; m[3] = m3;
     *nan = bad;
-    *sum = s0 + s1;
+    if (with_sum) *sum = s0 + s1;
     *at = i;
 }
 
-/* The max pass, and in the same read a bound seen from a reference logit
- * (see sf_kernels.row_max_sum). */
-static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, int *bad) {
+/* The max pass; with `sum` not NULL, also the bound seen from the
+ * reference logit `ref` (see sf_kernels.row_max_sum), all of r->next
+ * prefetched at this pass's pace; without, half of it at half the pace (a
+ * bound pass fetches the rest). Prefetching stops once the max passes
+ * r->next_until (checked once a block). A NaN never wins a compare, so it
+ * is flagged apart; +inf shows as the max. */
+static inline __attribute__((always_inline)) float
+max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
     const int64_t n = r->vocab;
     /* No sum (it is then +inf) when c 2^23 overflows (a cap would shrink the
      * terms of tokens above ref) or ref is -inf (l - ref would be NaN). */
@@ -143,22 +100,28 @@ static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, i
     vi nan = vi_set(0);
     sf_ahead pf = r->next;
     double total = 0.0;
-    int summing = stop > 0.0 && r->c <= 4.05e31f && ref > -INFINITY;
+    int summing = sum && stop > 0.0 && r->c <= 4.05e31f && ref > -INFINITY;
     int64_t i = 0;
     while (i + 4 * SF_W <= n) {
         const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
         if (summing) {
             vf acc;
-            if (r->dtype == SF_F32) max_sum_span(r, SF_F32, &i, end, pf, ref, c23, m, &nan, &acc);
-            else if (r->dtype == SF_BF16) max_sum_span(r, SF_BF16, &i, end, pf, ref, c23, m, &nan, &acc);
-            else max_sum_span(r, SF_F16, &i, end, pf, ref, c23, m, &nan, &acc);
+            if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, pf, 1, ref, c23, m, &nan, &acc);
+            else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, pf, 1, ref, c23, m, &nan, &acc);
+            else max_span(r, SF_F16, &i, end, pf, 1, ref, c23, m, &nan, &acc);
             for (int j = 0; j < SF_W; j++) total += (double)acc[j];
             summing = total <= stop;
         } else {
-            fetch_ahead(pf, i, end - i);
-            if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, (sf_ahead){NULL, 0}, m, &nan);
-            else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, (sf_ahead){NULL, 0}, m, &nan);
-            else max_span(r, SF_F16, &i, end, (sf_ahead){NULL, 0}, m, &nan);
+            /* Half of next at half pace, or (once a sum stopped) the rest of
+             * it a block at a time. */
+            sf_ahead half = pf;
+            if (sum) {
+                fetch_ahead(pf, i, end - i);
+                half.data = NULL;
+            }
+            if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
+            else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
+            else max_span(r, SF_F16, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
         }
         if (pf.data && vany((m[0] > r->next_until) | (m[1] > r->next_until) |
                             (m[2] > r->next_until) | (m[3] > r->next_until)))
@@ -179,8 +142,14 @@ static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, i
     for (int j = 0; j < SF_W; j++) mx = mm[j] > mx ? mm[j] : mx;
     *bad = vany(nan) || mx == INFINITY;
     /* A sum cut short (or never formed) bounds nothing: it says so. */
-    *sum = summing ? total : INFINITY;
+    if (sum) *sum = summing ? total : INFINITY;
     return mx;
+}
+
+static float row_max(const sf_row *r, int *bad) { return max_pass(r, 0.0f, -1.0, NULL, bad); }
+
+static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, int *bad) {
+    return max_pass(r, ref, stop, sum, bad);
 }
 
 static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max) {
