@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import specfast as sf
+from reference import to_dtype
 
 V = 8
 ERRORS = (ValueError, TypeError)
@@ -87,11 +88,14 @@ def test_verify_bad_logit_values(value, row):
     raises(lambda: sf.verify(**kw, method="coupled"), pattern)
 
 
-@pytest.mark.parametrize("at", [0, 24_000, 39_999], ids=lambda a: f"at={a}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("at", [0, 24_000, 24_001, 39_999], ids=lambda a: f"at={a}")
 @pytest.mark.parametrize("value", list(BAD_VALUES) + ["all -inf"])
-def test_lone_request_split_row_bad_values(value, at):
+def test_lone_request_split_row_bad_values(value, at, dtype):
     """A lone request's wide rows are read by several threads, each a part:
-    a bad value in any part is still an error."""
+    a bad value in any part is still an error, in every kind of max pass
+    (greedy; the top-k reservoir; with the bound of the mass, plain
+    sampling), at even and odd positions (bfloat16 is read in halves)."""
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, 40_000)).astype(np.float32)
     if value == "all -inf":
@@ -100,9 +104,11 @@ def test_lone_request_split_row_bad_values(value, at):
     else:
         logits[1, at], pattern = BAD_VALUES[value]
     logits[0, 3] = 60.0  # p = 1: the first draft is accepted, so row 1 is reached
+    logits = to_dtype(logits, dtype)
     tokens = np.array([3, 5], np.int32)
     raises(lambda: sf.verify(logits, tokens, np.array([2]), temperature=0.0), pattern)
     raises(lambda: sf.verify(logits, tokens, np.array([2]), top_k=50), pattern)
+    raises(lambda: sf.verify(logits, tokens, np.array([2]), seed=1), pattern)
 
 
 @pytest.mark.parametrize("value", list(BAD_VALUES), ids=list(BAD_VALUES))
@@ -130,8 +136,6 @@ def test_all_masked_row(fn):
 @pytest.mark.parametrize("value", list(BAD_VALUES), ids=list(BAD_VALUES))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_bad_logit_values_lower_precision(dtype, value):
-    from reference import to_dtype
-
     v, pattern = BAD_VALUES[value]
     x = base_rows()
     x[0, 0] = v

@@ -64,8 +64,16 @@ max_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf,
     for (; i + 4 * SF_W <= end; i += 4 * SF_W) {
         if (with_sum) fetch_ahead(pf, i, 4 * SF_W);
         else fetch_ahead(pf, i / 2, 2 * SF_W);
-        vf x0 = load_full(r->data, dtype, i), x1 = load_full(r->data, dtype, i + SF_W);
-        vf x2 = load_full(r->data, dtype, i + 2 * SF_W), x3 = load_full(r->data, dtype, i + 3 * SF_W);
+        vf x0, x1, x2, x3;
+        if (dtype == SF_BF16) { /* the order of tokens does not matter here */
+            vbf16_halves((const uint16_t *)r->data + i, &x0, &x1);
+            vbf16_halves((const uint16_t *)r->data + i + 2 * SF_W, &x2, &x3);
+        } else {
+            x0 = load_full(r->data, dtype, i);
+            x1 = load_full(r->data, dtype, i + SF_W);
+            x2 = load_full(r->data, dtype, i + 2 * SF_W);
+            x3 = load_full(r->data, dtype, i + 3 * SF_W);
+        }
         m0 = vmaxf(x0, m0);
         m1 = vmaxf(x1, m1);
         m2 = vmaxf(x2, m2);
@@ -302,8 +310,15 @@ static inline __attribute__((always_inline)) vf bound_block(const sf_row *r, sf_
     /* Two sums, so that the add latency overlaps; whole chunks first. */
     vf acc0 = vf_set(0.0f), acc1 = acc0;
     for (; i + 2 * SF_W <= end; i += 2 * SF_W) {
-        acc0 += bound_e(r, load_full(r->data, dtype, i), c23, cut);
-        acc1 += bound_e(r, load_full(r->data, dtype, i + SF_W), c23, cut);
+        vf x0, x1;
+        if (dtype == SF_BF16) { /* the order of tokens does not matter here */
+            vbf16_halves((const uint16_t *)r->data + i, &x0, &x1);
+        } else {
+            x0 = load_full(r->data, dtype, i);
+            x1 = load_full(r->data, dtype, i + SF_W);
+        }
+        acc0 += bound_e(r, x0, c23, cut);
+        acc1 += bound_e(r, x1, c23, cut);
     }
     for (; i < end; i += SF_W) acc0 += bound_e(r, load_chunk(r->data, dtype, i, r->vocab), c23, cut);
     return acc0 + acc1;

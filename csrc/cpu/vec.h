@@ -64,6 +64,16 @@ SF_INLINE vf vbf16(const uint16_t *p) {
     return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
+/* 2 SF_W bfloat16 values as two float vectors, one of the values at even
+ * indices and one of those at odd (which is which depends on byte order): two
+ * operations for 2 SF_W values, for passes that do not care about order. */
+SF_INLINE void vbf16_halves(const uint16_t *p, vf *a, vf *b) {
+    vu w;
+    memcpy(&w, p, sizeof w);
+    *a = (vf)(w << 16);
+    *b = (vf)(w & 0xFFFF0000u);
+}
+
 /* sf_f16_to_f32, lane by lane: one instruction where the level has F16C (an
  * exact conversion; NaNs may differ in payload, and are rejected anyway). */
 SF_INLINE vf vf16(const uint16_t *p) {
