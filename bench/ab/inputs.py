@@ -1,0 +1,39 @@
+"""Writes one case of `specfast bench` (its synthetic inputs) to a file for ab.c.
+
+    python bench/ab/inputs.py OUT --batch 64 --draft-len 4 --vocab 151936 --draft-probs dense
+
+The file holds a header of int64 (batch, draft_len, vocab, dense q), then the float32
+logits, the int32 draft tokens, the uint64 seeds, the int64 positions and, with dense q,
+the float32 draft probabilities.
+"""
+
+import argparse
+
+import numpy as np
+
+from specfast import _bench_cli as bc
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--draft-len", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--draft-probs", choices=["none", "dense"], default="none")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    case = bc.Case(batch=a.batch, draft_len=a.draft_len, vocab=a.vocab, dtype="float32",
+                   method="rejection", draft=a.draft_probs, filters="none")
+    inp = bc.make_inputs(case, seed=a.seed)
+    dense = inp.q_dense is not None
+    with open(a.out, "wb") as f:
+        f.write(np.array([a.batch, a.draft_len, a.vocab, int(dense)], np.int64).tobytes())
+        for x in (inp.logits, inp.tokens, inp.seed, inp.position):
+            f.write(np.ascontiguousarray(x).tobytes())
+        if dense:
+            f.write(inp.q_dense.tobytes())
+
+
+if __name__ == "__main__":
+    main()
