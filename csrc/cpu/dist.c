@@ -21,6 +21,9 @@
 #define SF_SPLIT_VOCAB_CHEAP 32768
 #define SF_MAX_SPLIT 64
 
+/* The slack sf_dist_ref_accepts allows the reference bound's sum. */
+#define SF_REF_MARGIN 1.001
+
 typedef struct split_ctx {
     const sf_kernels *k;
     const sf_row *row;
@@ -119,27 +122,19 @@ static int range_split(range_ctx *c) {
     return sf_parallel_split(parts, range_part, c);
 }
 
-static float row_max_all(const sf_kernels *k, const sf_row *r, int *bad) {
-    range_ctx c = {.k = k, .row = r};
-    if (!range_split(&c)) return k->row_max(r, bad);
+/* The max pass (k->row_max, or with `sum` k->row_max_sum from ref and stop)
+ * over the whole row, split when a lone request leaves the pool idle. */
+static float row_max_all(const sf_kernels *k, const sf_row *r, float ref, double stop,
+                         double *sum, int *bad) {
+    range_ctx c = {.k = k, .row = r, .bound = sum ? 2 : 0, .stop = stop, .ref = ref};
+    if (!range_split(&c))
+        return sum ? k->row_max_sum(r, ref, stop, sum, bad) : k->row_max(r, bad);
     float m = -INFINITY;
+    if (sum) *sum = 0.0;
     for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) {
         if (c.max[i] > m) m = c.max[i];
         *bad |= c.bad[i];
-    }
-    return m;
-}
-
-static float row_max_sum_all(const sf_kernels *k, const sf_row *r, float ref, double stop,
-                             double *sum, int *bad) {
-    range_ctx c = {.k = k, .row = r, .bound = 2, .stop = stop, .ref = ref};
-    if (!range_split(&c)) return k->row_max_sum(r, ref, stop, sum, bad);
-    float m = -INFINITY;
-    *sum = 0.0;
-    for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) {
-        if (c.max[i] > m) m = c.max[i];
-        *bad |= c.bad[i];
-        *sum += c.mass[i];
+        if (sum) *sum += c.mass[i];
     }
     return m;
 }
@@ -309,11 +304,11 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         r->next = next;
         r->next_until = next_until;
         /* Without top-k or top-p the bound needs no cut: it comes with the
-         * max pass, in the same read. */
-        if (rb && (p->top_k <= 0 || p->top_k >= vocab) && p->top_p >= 1.0f)
-            m = row_max_sum_all(k, r, rb->ref, rb->stop, &rb->sum, &bad);
-        else
-            m = row_max_all(k, r, &bad);
+         * max pass, in the same read. Past `stop` it could not accept. */
+        const int with_sum = rb && (p->top_k <= 0 || p->top_k >= vocab) && p->top_p >= 1.0f;
+        const double stop = with_sum ? 1.0 / (rb->uq * SF_REF_MARGIN) : 0.0;
+        m = row_max_all(k, r, with_sum ? rb->ref : 0.0f, stop, with_sum ? &rb->sum : NULL,
+                        &bad);
         r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (m == -INFINITY) return SF_ERR_ALL_MASKED;
@@ -404,7 +399,7 @@ int sf_dist_ref_accepts(const sf_dist *d, double uq, int32_t x, double sum) {
      * many times over. A sum that is +inf or NaN accepts nothing. */
     if (!(sum >= 0.0)) return 0;
     const uint64_t w = sf_weight_at(&d->row, &d->in, x);
-    return w >= ((uint64_t)1 << 20) && uq * sum * 1.001 < 1.0;
+    return w >= ((uint64_t)1 << 20) && uq * sum * SF_REF_MARGIN < 1.0;
 }
 
 static uint64_t weight(const sf_dist *d, int64_t v) {

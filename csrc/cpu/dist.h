@@ -40,7 +40,7 @@ static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
  * top-p, whose cut needs the max first). */
 typedef struct sf_ref_bound {
     float ref;
-    double stop; /* the sum may stop past this (<= 0: no sum) */
+    double uq;  /* u q(x), the test's left side: the sum stops where it could not accept */
     double sum;
 } sf_ref_bound;
 
@@ -49,7 +49,7 @@ typedef struct sf_ref_bound {
  * d->resid[0] is set, the weights are stored there and read from it after.
  * The max pass prefetches the first half of `next` (all of it when it also
  * forms rb's sum), stopping once the max passes next_until (see sf_row).
- * With rb (its ref and stop set), the max pass also forms rb->sum where the
+ * With rb (its ref and uq set), the max pass also forms rb->sum where the
  * row has no top-k or top-p cut; elsewhere rb->sum is NAN.
  * Returns SF_ERR_LOGITS or SF_ERR_ALL_MASKED for a bad row. */
 sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,

@@ -48,17 +48,21 @@ static inline __attribute__((always_inline)) vf load_full(const void *row, sf_dt
     return vf16((const uint16_t *)row + i);
 }
 
+/* A term of row_max_sum: vexp2_up((l - ref) c), the exponent (times 2^23,
+ * c23 = c 2^23) capped at 127 2^23. */
+static inline __attribute__((always_inline)) vf ref_term(vf x, float ref, float c23) {
+    return vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x - ref) * c23));
+}
+
 /* The max pass over whole groups of 4 chunks in [*at, end), dtype known at
  * compile time: four chains of maxima, so that the max latency overlaps.
- * With `with_sum` (a constant at each call site) it also adds
- * vexp2_up((l - ref) c) into *sum, the exponent (times 2^23) capped to
- * [-126, 127] 2^23, and prefetches pf at its own pace; without, at half. */
+ * With `with_sum` (a constant at each call site) it also adds ref_term of
+ * each token into *sum, and prefetches pf at its own pace; without, at half. */
 static inline __attribute__((always_inline)) void
 max_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf,
          const int with_sum, float ref, float c23, vf m[4], vi *nan, vf *sum) {
     vf m0 = m[0], m1 = m[1], m2 = m[2], m3 = m[3];
     vf s0 = vf_set(0.0f), s1 = s0;
-    const vf cap = vf_set(127.0f * 8388608.0f);
     vi bad = *nan;
     int64_t i = *at;
     for (; i + 4 * SF_W <= end; i += 4 * SF_W) {
@@ -80,16 +84,25 @@ max_span(const sf_row *r, sf_dtype dtype, int64_t *at, int64_t end, sf_ahead pf,
         m3 = vmaxf(x3, m3);
         bad |= (x0 != x0) | (x1 != x1) | (x2 != x2) | (x3 != x3);
         if (with_sum) {
-            s0 += vexp2_up_scaled(vminf(cap, (x0 - ref) * c23));
-            s1 += vexp2_up_scaled(vminf(cap, (x1 - ref) * c23));
-            s0 += vexp2_up_scaled(vminf(cap, (x2 - ref) * c23));
-            s1 += vexp2_up_scaled(vminf(cap, (x3 - ref) * c23));
+            s0 += ref_term(x0, ref, c23);
+            s1 += ref_term(x1, ref, c23);
+            s0 += ref_term(x2, ref, c23);
+            s1 += ref_term(x3, ref, c23);
         }
     }
     m[0] = m0; m[1] = m1; m[2] = m2; m[3] = m3;
     *nan = bad;
     if (with_sum) *sum = s0 + s1;
     *at = i;
+}
+
+/* max_span on the row's dtype, each dtype's loop compiled apart. */
+static inline __attribute__((always_inline)) void
+max_span_any(const sf_row *r, int64_t *at, int64_t end, sf_ahead pf, const int with_sum,
+             float ref, float c23, vf m[4], vi *nan, vf *sum) {
+    if (r->dtype == SF_F32) max_span(r, SF_F32, at, end, pf, with_sum, ref, c23, m, nan, sum);
+    else if (r->dtype == SF_BF16) max_span(r, SF_BF16, at, end, pf, with_sum, ref, c23, m, nan, sum);
+    else max_span(r, SF_F16, at, end, pf, with_sum, ref, c23, m, nan, sum);
 }
 
 /* The max pass; with `sum` not NULL, also the bound seen from the
@@ -108,15 +121,13 @@ max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
     vi nan = vi_set(0);
     sf_ahead pf = r->next;
     double total = 0.0;
-    int summing = sum && stop > 0.0 && r->c <= 4.05e31f && ref > -INFINITY;
+    int summing = sum && stop > 0.0 && r->c <= SF_C23_MAX && ref > -INFINITY;
     int64_t i = 0;
     while (i + 4 * SF_W <= n) {
         const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
         if (summing) {
             vf acc;
-            if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, pf, 1, ref, c23, m, &nan, &acc);
-            else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, pf, 1, ref, c23, m, &nan, &acc);
-            else max_span(r, SF_F16, &i, end, pf, 1, ref, c23, m, &nan, &acc);
+            max_span_any(r, &i, end, pf, 1, ref, c23, m, &nan, &acc);
             for (int j = 0; j < SF_W; j++) total += (double)acc[j];
             summing = total <= stop;
         } else {
@@ -127,9 +138,7 @@ max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
                 fetch_ahead(pf, i, end - i);
                 half.data = NULL;
             }
-            if (r->dtype == SF_F32) max_span(r, SF_F32, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
-            else if (r->dtype == SF_BF16) max_span(r, SF_BF16, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
-            else max_span(r, SF_F16, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
+            max_span_any(r, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
         }
         if (pf.data && vany((m[0] > r->next_until) | (m[1] > r->next_until) |
                             (m[2] > r->next_until) | (m[3] > r->next_until)))
@@ -141,7 +150,7 @@ max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
         m[0] = vmaxf(x, m[0]);
         nan |= x != x;
         if (summing) { /* -inf padding adds 2^-126 a lane: still a bound */
-            vf e = vexp2_up_scaled(vminf(vf_set(127.0f * 8388608.0f), (x - ref) * c23));
+            vf e = ref_term(x, ref, c23);
             for (int j = 0; j < SF_W; j++) total += (double)e[j];
         }
     }
@@ -306,7 +315,7 @@ static inline __attribute__((always_inline)) vf bound_block(const sf_row *r, sf_
                                                             int cut, int64_t i, int64_t end) {
     /* c 2^23, the factor of vexp2_up_scaled, capped so that (max - max) *
      * c23 stays 0 (a capped factor only raises the bound). */
-    const float c23 = r->c <= 4.05e31f ? r->c * 8388608.0f : 3.40282347e38f;
+    const float c23 = r->c <= SF_C23_MAX ? r->c * 8388608.0f : 3.40282347e38f;
     /* Two sums, so that the add latency overlaps; whole chunks first. */
     vf acc0 = vf_set(0.0f), acc1 = acc0;
     for (; i + 2 * SF_W <= end; i += 2 * SF_W) {

@@ -149,17 +149,18 @@ SF_INLINE vf vexp2(vf y) {
     return vsel(low, vf_set(0.0f), e);
 }
 
-/* sf_exp2_up (an upper bound of 2^y), lane by lane. */
-SF_INLINE vf vexp2_up(vf y) {
-    y = vmax_lo(y, -126.0f);
-    return (vf)(__builtin_convertvector(y * 8388608.0f, vi) + 0x3F800000);
-}
+/* Largest factor c for which c 2^23 is still a finite float. */
+#define SF_C23_MAX 4.05e31f
 
-/* vexp2_up of y given y 2^23 (the caller folds 2^23 into its factor). */
+/* vexp2_up of y given y 2^23 (a caller can fold 2^23 into its factor). */
 SF_INLINE vf vexp2_up_scaled(vf y23) {
     y23 = vmax_lo(y23, -126.0f * 8388608.0f);
     return (vf)(__builtin_convertvector(y23, vi) + 0x3F800000);
 }
+
+/* sf_exp2_up (an upper bound of 2^y), lane by lane: scaling by 2^23 is exact,
+ * so clamping before or after it gives the same bits. */
+SF_INLINE vf vexp2_up(vf y) { return vexp2_up_scaled(y * 8388608.0f); }
 
 /* hi and lo words of a * k, lane by lane: the even and the odd lanes seen as
  * 64-bit lanes with their upper halves cleared, so that each product is one

@@ -114,15 +114,14 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
              * that row never. The same pass bounds the mass from the first
              * child's logit, which then decides most acceptances. */
             float until = INFINITY;
-            sf_ref_bound rb = {0.0f, -1.0, NAN};
+            sf_ref_bound rb = {0.0f, 0.0, NAN};
             if (first[cur + 1] >= 0) {
                 const int32_t x = tok[first[cur + 1]];
                 const float qx = draft_prob(dr, node0 + first[cur + 1], x, vocab);
                 const double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, 0));
                 rb.ref = sf_load(row, c->logits->dtype, x);
                 until = qx > 0.0f ? (float)(rb.ref - p.temperature * log(u * qx)) : -INFINITY;
-                /* Past this sum sf_dist_ref_accepts cannot accept. */
-                rb.stop = 1.0 / (u * (double)qx * 1.001);
+                rb.uq = u * (double)qx;
             }
             st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0, ahead,
                                  until, first[cur + 1] >= 0 ? &rb : NULL);
@@ -137,9 +136,10 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
                 if (!have_mass) {
                     /* Only the first child comes here: a rejection forms the mass. */
-                    const int sure = isnan(rb.sum)
-                        ? qx > 0.0f && sf_dist_bound_accepts(&d, c->k, u * (double)qx, x, child)
-                        : qx > 0.0f && sf_dist_ref_accepts(&d, u * (double)qx, x, rb.sum);
+                    const int sure =
+                        qx > 0.0f && (isnan(rb.sum)
+                                          ? sf_dist_bound_accepts(&d, c->k, u * (double)qx, x, child)
+                                          : sf_dist_ref_accepts(&d, u * (double)qx, x, rb.sum));
                     if (sure) {
                         accepted = ch;
                         break;
