@@ -90,7 +90,7 @@ def _torch_to_numpy(t, name):
     return t.detach().numpy()
 
 
-_I32, _I64, _U64 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.uint64)
+_I32 = np.dtype(np.int32)
 
 
 def _int_array(x, name, ndim):
@@ -264,10 +264,10 @@ _PARAM_NAMES = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
 def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
     """An sf_params; scalars share two small buffers, arrays are passed as is."""
     # A server's lone request passes its seed and position as arrays.
-    if type(seed) is np.ndarray and seed.shape == (1,) and seed.dtype == _U64:
-        seed = int(seed[0])
-    if type(position) is np.ndarray and position.shape == (1,) and position.dtype == _I64:
-        position = int(position[0])
+    if type(seed) is np.ndarray:
+        seed = _single(seed, "seed")
+    if type(position) is np.ndarray:
+        position = _single(position, "position")
     if (type(seed) is np.ndarray or type(position) is np.ndarray
             or type(temperature) is np.ndarray or type(top_k) is np.ndarray
             or type(top_p) is np.ndarray or type(min_p) is np.ndarray):
