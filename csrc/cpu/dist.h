@@ -40,7 +40,7 @@ static inline const void *sf_row_ptr(const sf_logits *l, int64_t row) {
  * top-p, whose cut needs the max first). */
 typedef struct sf_ref_bound {
     float ref;
-    double uq;  /* u q(x), the test's left side: the sum stops where it could not accept */
+    double uq;  /* u q(x), the test's left side: the sum stops where it shows a rejection */
     double sum;
 } sf_ref_bound;
 
@@ -48,7 +48,8 @@ typedef struct sf_ref_bound {
  * With need_mass, also forms its weights, total and block sums in `d`; when
  * d->resid[0] is set, the weights are stored there and read from it after.
  * The max pass prefetches the first half of `next` (all of it when it also
- * forms rb's sum), stopping once the max passes next_until (see sf_row).
+ * forms rb's sum), stopping once the max passes next_until (see sf_row) or
+ * the sum shows a rejection.
  * With rb (its ref and uq set), the max pass also forms rb->sum where the
  * row has no top-k or top-p cut; elsewhere rb->sum is NAN.
  * Returns SF_ERR_LOGITS or SF_ERR_ALL_MASKED for a bad row. */

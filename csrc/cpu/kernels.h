@@ -76,7 +76,7 @@ typedef struct sf_kernels {
      * the sum passes `stop` it stops (the max goes on) and *sum is +inf, as
      * it is when stop <= 0, ref is -inf or c 2^23 overflows. Prefetches all
      * of row->next at this pass's pace, until the max passes
-     * row->next_until. */
+     * row->next_until or the sum passes stop. */
     float (*row_max_sum)(const sf_row *row, float ref, double stop, double *sum, int *bad);
     /* First index whose logit equals `max` (the row's largest). */
     int64_t (*row_argmax)(const void *row, sf_dtype dtype, int64_t vocab,

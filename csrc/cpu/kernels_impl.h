@@ -130,9 +130,10 @@ max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
             max_span_any(r, &i, end, pf, 1, ref, c23, m, &nan, &acc);
             for (int j = 0; j < SF_W; j++) total += (double)acc[j];
             summing = total <= stop;
+            if (!summing) pf.data = NULL; /* a rejection: the child's row is not read */
         } else {
-            /* Half of next at half pace, or (once a sum stopped) the rest of
-             * it a block at a time. */
+            /* Half of next at half pace, or (where a sum was wanted but not
+             * formed) all of it a block at a time. */
             sf_ahead half = pf;
             if (sum) {
                 fetch_ahead(pf, i, end - i);
