@@ -346,6 +346,41 @@ def test_malformed_dense_draft_probs(case):
     raises(lambda: sf.verify(**kw), r"draft|prob|sum|negative|nan|finite")
 
 
+MASS_ONE = 1 << 40
+MASS_TOL = MASS_ONE // 1000
+
+
+def _q_with_mass(vocab, mass):
+    """A float32 q row whose sum of floor(q 2^40), the exact quantity the 1 +- 1e-3 check
+    tests (on every backend), is `mass`: equal values, and a last one below 2^-16, whose
+    ulp is 2^-40, taking up the difference."""
+    rest = mass - 12_000_000
+    c = np.float32(rest / (vocab - 1) / MASS_ONE)
+    q = np.full(vocab, c, np.float32)
+    d = mass - (vocab - 1) * int(np.floor(np.float64(c) * MASS_ONE))
+    assert 0 <= d < 1 << 24
+    q[-1] = np.float32(d / MASS_ONE)
+    assert sum(int(v) for v in np.floor(q.astype(np.float64) * MASS_ONE)) == mass
+    return q
+
+
+@pytest.mark.parametrize("vocab", [1000, 40003])  # 40003: a lone request's row is split
+@pytest.mark.parametrize("offset,bad", [
+    (MASS_TOL, False), (MASS_TOL + 1, True), (-MASS_TOL, False), (-MASS_TOL - 1, True)])
+def test_dense_draft_probs_sum_at_the_edge_of_the_tolerance(vocab, offset, bad):
+    """q may sum to 1 within 1e-3, judged on the exact sum: one 2^-40 past the edge fails."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((2, vocab)).astype(np.float32)
+    logits[0, 1] = -np.inf  # the draft (token 1) has p = 0: rejected, q read whole
+    q = _q_with_mass(vocab, MASS_ONE + offset)[None]
+    kw = dict(target_logits=logits, draft_tokens=np.array([1], np.int32),
+              num_draft=np.array([1], np.int32), draft_probs=q)
+    if bad:
+        raises(lambda: sf.verify(**kw), r"draft|prob|sum")
+    else:
+        assert sf.verify(**kw).num_accepted[0] == 0
+
+
 BAD_AT_TOKEN = {"negative": -0.1, "nan": np.nan, "inf": np.inf, "above-one": 1.5}
 
 

@@ -59,8 +59,9 @@ typedef struct sf_weights_out {
     uint64_t total;   /* sum of w */
     int64_t kept;     /* tokens with a kept logit (row source under a cut
                          only, else 0) */
-    uint64_t q_mass;  /* sum of floor(q * 2^40) when q is read whole, else
-                         UINT64_MAX */
+    double q_sum;     /* sum of the q values in [0, 1.001], in float lane sums
+                         (relative error under 1e-5), when q is read whole;
+                         else NaN */
     int q_bad;        /* a q value negative, NaN or infinite */
 } sf_weights_out;
 

@@ -190,6 +190,68 @@ static inline __attribute__((always_inline)) vi above_cut(const sf_row *r, vf x,
 static inline __attribute__((always_inline)) vf scaled(const sf_row *r, vf x) { return (x - r->max) * r->inv_t; }
 static inline __attribute__((always_inline)) vf row_e(const sf_row *r, vf x) { return vexp2((x - r->max) * r->c); }
 
+/* What a weights pass carries across the chunks of a block. */
+typedef struct weights_acc {
+    vmass mass;
+    vf qsum;
+    vi kept, qbad;
+} weights_acc;
+
+/* One chunk of a weights pass at token i; `full` (a constant) says that all
+ * SF_W tokens are in the row. */
+static inline __attribute__((always_inline)) void
+weights_chunk(const sf_row *r, const sf_weights_in *in, float *resid, int64_t i, int64_t n,
+              weights_acc *a, const int cut, const int from_row, const int with_q,
+              const int store, const int full) {
+    vf b;
+    /* Which q values are checked: all of them, or under a cut those of kept
+     * tokens only (so the vector width cannot matter). */
+    vi checked = vi_set(-1);
+    if (from_row) {
+        vf x = full ? load_full(r->data, r->dtype, i) : load_chunk(r->data, r->dtype, i, n);
+        if (cut) {
+            vi keep = above_cut(r, x, i);
+            a->kept -= keep;
+            if (!vany(keep)) {
+                /* Nothing kept: weight 0 whatever q is, and q here is never
+                 * read (nor checked). */
+                b = vf_set(0.0f);
+                goto out;
+            }
+            vf e = row_e(r, x);
+            b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
+            checked = keep;
+        } else {
+            b = row_e(r, x); /* -inf (and padding) give 0 */
+        }
+    } else {
+        b = full ? vload(in->base + i) : load_floats(in->base, i, n);
+        /* A filtered row's stored weights: where all are 0 the residual is 0
+         * whatever q is, so q is not read here. */
+        if (cut && !vany(b != 0.0f)) goto out;
+        if (cut) checked = b != 0.0f;
+    }
+    if (with_q) {
+        vf q = full ? vload(in->q + i) : load_floats(in->q, i, n);
+        vi ok = (q >= 0.0f) & (q <= 1.001f); /* false for NaN */
+        a->qbad |= ~ok & checked;
+        /* Under a cut, q of a token that is not kept is not checked: only
+         * b > 0 then keeps a negative q from making a residual. */
+        if (cut) {
+            b = vresid(b, in->scale, q);
+        } else {
+            a->qsum += vsel(ok, q, vf_set(0.0f));
+            b = vresid_checked(b, in->scale, q);
+        }
+    }
+    vmass_add(&a->mass, b); /* without q the scale is 1 and b >= 0 */
+out:
+    if (store) {
+        if (full) vstore(resid + i, b);
+        else for (int j = 0; i + j < n; j++) resid[i + j] = b[j];
+    }
+}
+
 /* One weights pass, specialised by inlining on what the call needs: `cut`
  * (filters or min-p apply), `from_row` (base values from the logits, else from
  * in->base), `with_q` (a dense q to subtract) and `store` (resid output). */
@@ -198,85 +260,38 @@ weights_body(const sf_row *r, const sf_weights_in *in, uint64_t *blocks,
              float *resid, sf_weights_out *out, const int cut, const int from_row,
              const int with_q, const int store) {
     const int64_t n = r->vocab;
-    const float scale = in->scale;
     const int64_t first = in->first_block;
     int64_t stop = (n + SF_BLOCK - 1) / SF_BLOCK;
     if (in->n_blocks > 0 && first + in->n_blocks < stop) stop = first + in->n_blocks;
     if (store) resid -= first * SF_BLOCK;
     uint64_t total = 0;
-    vi kept = vi_set(0), qbad = vi_set(0);
-    uint64_t q_total = 0;
+    double q_sum = 0.0;
+    weights_acc a = {.kept = vi_set(0), .qbad = vi_set(0)};
     for (int64_t blk = first; blk < stop; blk++) {
-        vmass qmass = vmass_zero();
-        vmass mass = vmass_zero();
-        const int64_t end = (blk + 1) * SF_BLOCK < n ? (blk + 1) * SF_BLOCK : n;
-        for (int64_t i = blk * SF_BLOCK; i < end; i += SF_W) {
-            vf b;
-            /* Which q values are checked: all of them, or under a cut those
-             * of kept tokens only (so the vector width cannot matter). */
-            vi checked = vi_set(-1);
-            fetch_ahead(r->next, i, SF_W);
-            if (from_row) {
-                vf x = load_chunk(r->data, r->dtype, i, n);
-                if (cut) {
-                    vi keep = above_cut(r, x, i);
-                    kept -= keep;
-                    if (!vany(keep)) {
-                        /* Nothing kept: weight 0 whatever q is, and q here
-                         * is never read (nor checked). */
-                        if (store) {
-                            if (i + SF_W <= n) vstore(resid + i, vf_set(0.0f));
-                            else for (int j = 0; i + j < n; j++) resid[i + j] = 0.0f;
-                        }
-                        continue;
-                    }
-                    vf e = row_e(r, x);
-                    b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
-                    checked = keep;
-                } else {
-                    b = row_e(r, x); /* -inf (and padding) give 0 */
-                }
-            } else {
-                b = load_floats(in->base, i, n);
-                if (cut && !vany(b != 0.0f)) {
-                    /* A filtered row's stored weights: where all are 0 the
-                     * residual is 0 whatever q is, so q is not read here. */
-                    if (store) {
-                        if (i + SF_W <= n) vstore(resid + i, vf_set(0.0f));
-                        else for (int j = 0; i + j < n; j++) resid[i + j] = 0.0f;
-                    }
-                    continue;
-                }
-                if (cut) checked = b != 0.0f;
-            }
-            vf rr;
-            if (with_q) {
-                vf q = load_floats(in->q, i, n);
-                vi ok = (q >= 0.0f) & (q <= 1.001f); /* false for NaN */
-                qbad |= ~ok & checked;
-                vmass_add(&qmass, vsel(ok, q, vf_set(0.0f)));
-                rr = vresid(b, scale, q);
-            } else {
-                rr = b; /* without q the scale is 1 and b >= 0 */
-            }
-            vmass_add(&mass, rr);
-            if (store) {
-                if (i + SF_W <= n) vstore(resid + i, rr);
-                else for (int j = 0; i + j < n; j++) resid[i + j] = rr[j];
-            }
+        a.mass = vmass_zero();
+        a.qsum = vf_set(0.0f);
+        const int64_t i0 = blk * SF_BLOCK;
+        fetch_ahead(r->next, i0, SF_BLOCK);
+        if (i0 + SF_BLOCK <= n) {
+            for (int64_t i = i0; i < i0 + SF_BLOCK; i += SF_W)
+                weights_chunk(r, in, resid, i, n, &a, cut, from_row, with_q, store, 1);
+        } else {
+            for (int64_t i = i0; i < n; i += SF_W)
+                weights_chunk(r, in, resid, i, n, &a, cut, from_row, with_q, store, 0);
         }
-        uint64_t bs = vmass_total(mass);
+        uint64_t bs = vmass_total(a.mass);
         if (blocks) blocks[blk - first] = bs;
         total += bs;
-        if (with_q) q_total += vmass_total(qmass);
+        if (with_q && !cut)
+            for (int j = 0; j < SF_W; j++) q_sum += (double)a.qsum[j];
     }
     int64_t k = 0;
-    for (int j = 0; j < SF_W; j++) k += kept[j];
+    for (int j = 0; j < SF_W; j++) k += a.kept[j];
     out->total = total;
     out->kept = from_row && cut ? k : 0;
     /* Under a cut only the chunks with kept tokens read q: no full sum. */
-    out->q_mass = with_q && !cut ? q_total : UINT64_MAX;
-    out->q_bad = vany(qbad);
+    out->q_sum = with_q && !cut ? q_sum : NAN;
+    out->q_bad = vany(a.qbad);
 }
 
 #define SF_WEIGHTS_CASE(c, f, q, s) \

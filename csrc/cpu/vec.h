@@ -268,6 +268,13 @@ SF_INLINE vf vresid(vf b, float scale, vf q) {
     return vsel((x > 0.0f) & (b > 0.0f), x, vf_set(0.0f));
 }
 
+/* vresid where q >= 0 or the call fails: b = 0 then gives x <= 0 (or NaN),
+ * so the test of b is not needed. */
+SF_INLINE vf vresid_checked(vf b, float scale, vf q) {
+    vf x = b * scale - q;
+    return vsel(x > 0.0f, x, vf_set(0.0f));
+}
+
 /* Exact sums of floor(r * 2^40), 0 <= r < 2048, over the lanes of many
  * vectors. With AVX-512DQ a float converts straight to uint64; elsewhere r is
  * split into two exact 20-bit halves that int32 lanes convert and add. Either
