@@ -130,22 +130,28 @@ SF_INLINE vf vminf(vf a, vf b) {
 #endif
 }
 
-/* sf_exp2, lane by lane. */
+/* sf_exp2, lane by lane. Lanes below SF_EXP2_MIN are set to 0 at the end,
+ * so y needs no clamp (what they compute meanwhile is discarded), and
+ * 2^n scales p by vscalefps where the level has it: p 2^n is a normal float
+ * for n >= -125, so it equals the exponent add bit for bit. */
 SF_INLINE vf vexp2(vf y) {
     const vf magic = vf_set(12582912.0f);
     vi low = y < SF_EXP2_MIN;
-    vf yc = vmax_lo(y, SF_EXP2_MIN);
-    vf t = yc + magic;
+    vf t = y + magic;
     vf n = t - magic;
-    vu ni = (vu)t - (vu)magic;
-    vf f = yc - n;
+    vf f = y - n;
     vf p = vf_set(1.326472848e-3f);
     p = p * f + 9.671512991e-3f;
     p = p * f + 5.550733581e-2f;
     p = p * f + 2.402224243e-1f;
     p = p * f + 6.931470037e-1f;
     p = p * f + 1.0f;
-    vf e = (vf)((vu)p + (ni << 23));
+#if SF_W == 16
+    vf e = (vf)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
+    /* n << 23 is (t - magic) << 23, and magic's low 9 bits are 0. */
+    vf e = (vf)((vu)p + ((vu)t << 23));
+#endif
     return vsel(low, vf_set(0.0f), e);
 }
 
