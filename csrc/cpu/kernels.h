@@ -62,7 +62,7 @@ typedef struct sf_weights_out {
     double q_sum;     /* sum of the q values in [0, 1.001], in float lane sums
                          (relative error under 1e-5), when q is read whole;
                          else NaN */
-    int q_bad;        /* a q value negative, NaN or infinite */
+    int q_bad;        /* a q value outside [0, 1.001], or NaN */
 } sf_weights_out;
 
 typedef struct sf_kernels {

@@ -247,7 +247,7 @@ weights_chunk(const sf_row *r, const sf_weights_in *in, float *resid, int64_t i,
     vmass_add(&a->mass, b); /* without q the scale is 1 and b >= 0 */
 out:
     if (store) {
-        if (full) vstore(resid + i, b);
+        if (full || i + SF_W <= n) vstore(resid + i, b);
         else for (int j = 0; i + j < n; j++) resid[i + j] = b[j];
     }
 }
