@@ -53,8 +53,10 @@ int main(int argc, char **argv) {
     }
     FILE *f = fopen(argv[1], "rb");
     if (!f) { perror(argv[1]); return 1; }
-    int64_t *head = read_exactly(f, 4 * sizeof(int64_t));
+    int64_t *head = read_exactly(f, 5 * sizeof(int64_t));
     const int64_t batch = head[0], k = head[1], vocab = head[2], dense = head[3];
+    const int32_t top_k = (int32_t)head[4];
+    const float top_p = (float)*(double *)read_exactly(f, sizeof(double));
     const int64_t rows = batch * (k + 1), nodes = batch * k;
     float *logits = read_exactly(f, (size_t)(rows * vocab) * sizeof(float));
     int32_t *tokens = read_exactly(f, (size_t)nodes * sizeof(int32_t));
@@ -80,11 +82,10 @@ int main(int argc, char **argv) {
     int32_t *out_acc = malloc((size_t)batch * sizeof(int32_t));
     int32_t *out_nodes = malloc((size_t)(nodes ? nodes : 1) * sizeof(int32_t));
     const float one = 1.0f, zero = 0.0f;
-    const int32_t no_top_k = 0;
     const sf_logits lg = {logits, SF_F32, rows, vocab, vocab};
     const sf_draft d = {tokens, nodes, num_draft, batch, NULL,
                         dense ? SF_DRAFT_DENSE : SF_DRAFT_NONE, q, NULL, NULL, 0};
-    const sf_params p = {&one, 1, &no_top_k, 1, &one, 1, &zero, 1, seeds, batch, positions, batch};
+    const sf_params p = {&one, 1, &top_k, 1, &top_p, 1, &zero, 1, seeds, batch, positions, batch};
     sf_verify_out o = {out_tokens, out_acc, out_nodes, k};
 
     /* About 50 ms of calls a block. */
@@ -105,8 +106,9 @@ int main(int argc, char **argv) {
             }
         }
     }
-    printf("batch %lld, draft %lld, vocab %lld, %s q, %d calls a library\n", (long long)batch,
-           (long long)k, (long long)vocab, dense ? "dense" : "no", per * ROUNDS);
+    printf("batch %lld, draft %lld, vocab %lld, %s q, top_k %d, top_p %g, %d calls a library\n",
+           (long long)batch, (long long)k, (long long)vocab, dense ? "dense" : "no", top_k,
+           top_p, per * ROUNDS);
     for (int l = 0; l < n_libs; l++) {
         qsort(times[l], (size_t)(per * ROUNDS), sizeof(double), by_value);
         printf("%-40s p10 %10.1f us   median %10.1f us\n", argv[3 + l],

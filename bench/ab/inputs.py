@@ -1,10 +1,11 @@
 """Writes one case of `specfast bench` (its synthetic inputs) to a file for ab.c.
 
     python bench/ab/inputs.py OUT --batch 64 --draft-len 4 --vocab 151936 --draft-probs dense
+        [--filters topk50-topp0.9]
 
-The file holds a header of int64 (batch, draft_len, vocab, dense q), then the float32
-logits, the int32 draft tokens, the uint64 seeds, the int64 positions and, with dense q,
-the float32 draft probabilities.
+The file holds a header of int64 (batch, draft_len, vocab, dense q, top_k) and a float64
+top_p, then the float32 logits, the int32 draft tokens, the uint64 seeds, the int64
+positions and, with dense q, the float32 draft probabilities.
 """
 
 import argparse
@@ -21,14 +22,18 @@ def main():
     p.add_argument("--draft-len", type=int, default=5)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--draft-probs", choices=["none", "dense"], default="none")
+    p.add_argument("--filters", choices=list(bc.FILTERS), default="none")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     case = bc.Case(batch=a.batch, draft_len=a.draft_len, vocab=a.vocab, dtype="float32",
-                   method="rejection", draft=a.draft_probs, filters="none")
+                   method="rejection", draft=a.draft_probs, filters=a.filters)
     inp = bc.make_inputs(case, seed=a.seed)
     dense = inp.q_dense is not None
     with open(a.out, "wb") as f:
-        f.write(np.array([a.batch, a.draft_len, a.vocab, int(dense)], np.int64).tobytes())
+        params = bc.FILTERS[a.filters]
+        f.write(np.array([a.batch, a.draft_len, a.vocab, int(dense), params.get("top_k", 0)],
+                         np.int64).tobytes())
+        f.write(np.array([params.get("top_p", 1.0)], np.float64).tobytes())
         for x in (inp.logits, inp.tokens, inp.seed, inp.position):
             f.write(np.ascontiguousarray(x).tobytes())
         if dense:
