@@ -293,7 +293,10 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)cap * 4);
         keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)cap * 8);
         if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
+        r->next = next;
+        r->next_until = next_until;
         nc = k->topk(r, p->top_k, ids, vals, cap, &bad);
+        r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (nc == 0) return SF_ERR_ALL_MASKED;
         sort_candidates(ids, vals, nc, keys);

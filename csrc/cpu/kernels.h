@@ -103,7 +103,8 @@ typedef struct sf_kernels {
      * ids/vals (capacity cap >= 2 k); returns how many (fewer than k only
      * when the row has fewer finite logits). *bad is set when a NaN is met
      * (a +inf shows as the best candidate), so this pass can be the max pass
-     * too. */
+     * too; like it, it prefetches row->next until the max passes
+     * row->next_until. */
     int64_t (*topk)(const sf_row *row, int64_t k, int32_t *ids, float *vals,
                     int64_t cap, int *bad);
 } sf_kernels;

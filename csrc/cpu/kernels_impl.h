@@ -517,21 +517,26 @@ static int64_t topk(const sf_row *r, int64_t k, int32_t *ids, float *vals,
     int64_t count = 0;
     float thr = -INFINITY; /* a token enters only above the k-th best so far */
     vi nan = vi_set(0);
+    sf_ahead pf = r->next;
+    vf mx = vf_set(-INFINITY); /* for the prefetch switch only */
     for (int64_t i = 0; i < n; i += SF_W) {
         vf x = load_chunk(r->data, r->dtype, i, n);
         nan |= x != x;
+        if (pf.data) {
+            fetch_ahead(pf, i, SF_W);
+            mx = vmaxf(x, mx);
+            if (i % SF_BOUND_BLOCK == 0 && vany(mx > r->next_until)) pf.data = NULL;
+        }
         vi hit = x > thr;
         if (!vany(hit)) continue;
-        for (int j = 0; j < SF_W; j++) {
-            if (!(x[j] > thr)) continue;
-            ids[count] = (int32_t)(i + j);
-            vals[count] = x[j];
-            if (++count == cap) {
-                select_best(ids, vals, count, k);
-                count = k;
-                thr = vals[k - 1];
-            }
+        if (count + SF_W > cap) {
+            /* Room for a whole chunk: keep the k best so far, raising the bar. */
+            select_best(ids, vals, count, k);
+            count = k;
+            thr = vals[k - 1];
+            hit = x > thr;
         }
+        count += vcompress(hit, x, vi_iota((int32_t)i), vals + count, ids + count);
     }
     if (count > k) {
         select_best(ids, vals, count, k);

@@ -55,6 +55,23 @@ SF_INLINE int vany(vi m) {
 #endif
 }
 
+/* Writes the lanes of x and ids where m is set, in lane order, to vals[0..)
+ * and out[0..); returns how many. Each array needs room for SF_W: a level may
+ * write whole vectors. */
+SF_INLINE int vcompress(vi m, vf x, vi ids, float *vals, int32_t *out) {
+#if SF_W == 16
+    const __mmask16 k = _mm512_movepi32_mask((__m512i)m);
+    _mm512_storeu_ps(vals, _mm512_maskz_compress_ps(k, (__m512)x));
+    _mm512_storeu_si512(out, _mm512_maskz_compress_epi32(k, (__m512i)ids));
+    return __builtin_popcount(k);
+#else
+    int c = 0;
+    for (int j = 0; j < SF_W; j++)
+        if (m[j]) { vals[c] = x[j]; out[c] = ids[j]; c++; }
+    return c;
+#endif
+}
+
 SF_INLINE vf vload(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
 SF_INLINE void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
