@@ -208,3 +208,48 @@ def test_cuda_graph_capture(rng):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out["tokens"], ref)
+
+
+def _outcome(fn):
+    """("error",) when fn raises a ValueError, else its (tokens, num_accepted) as lists."""
+    try:
+        r = fn()
+    except ValueError:
+        return ("error",)
+    return (np.asarray(r.tokens.cpu() if hasattr(r.tokens, "cpu") else r.tokens).tolist(),
+            np.asarray(r.num_accepted.cpu() if hasattr(r.num_accepted, "cpu")
+                       else r.num_accepted).tolist())
+
+
+@pytest.mark.parametrize("case", ["outside-cut", "outside-cut-tree", "sum-off", "min-p"])
+def test_dense_draft_probs_checked_as_on_cpu(case):
+    """Which q values are checked: under a cut only those of tokens with a weight (a
+    negative q elsewhere is not an error), and q's sum only without a cut; the same
+    outcome, error or tokens, on both backends."""
+    vocab = 64
+    logits = np.zeros((3, vocab), np.float32)
+    logits[:, 16:19] = [5.0, 4.0, 3.0]  # the top 3, in the 16-token group of token 20
+    q = np.full((2, vocab), 1.0 / vocab, np.float32)
+    tokens = np.array([40, 41], np.int32)  # outside the top 3: p = 0 under top_k=3
+    kw = dict(top_k=3, seed=5, position=11)
+    parents = None
+    nd = np.array([2], np.int32)
+    if case in ("outside-cut", "outside-cut-tree"):
+        q[:, 20] -= 0.02  # negative, outside the cut
+        q[:, 21] += 0.02
+        if case == "outside-cut-tree":  # two siblings of the root, both rejected
+            parents = np.array([-1, -1], np.int32)
+    elif case == "sum-off":
+        q *= 0.9
+        kw = dict(seed=5, position=11)
+        logits[0, 40] = -np.inf  # rejected for sure: q read whole
+    else:
+        kw = dict(min_p=0.5, seed=5, position=11)  # keeps token 16 only
+        q[:, 18] -= 0.02  # above no cut of top-k or top-p, weight 0 by min-p
+        q[:, 19] += 0.02
+    cpu = _outcome(lambda: sf.verify(logits, tokens, nd, draft_probs=q, parents=parents, **kw))
+    gpu = _outcome(lambda: _cuda.verify(
+        to_torch(logits), to_torch(tokens), nd, draft_probs=to_torch(q),
+        parents=None if parents is None else to_torch(parents), check=True, **kw))
+    assert gpu == cpu
+    assert (cpu == ("error",)) == (case == "sum-off")

@@ -13,6 +13,7 @@ CUDA tokens equal the CPU backend's on the same inputs. Writes JSON and a text t
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -148,7 +149,9 @@ def main():
     print(text)
     with open(os.path.join(args.out, "bench_gpu.txt"), "w") as f:
         f.write(text + "\n")
+    # A case whose tokens differ from the CPU's fails the run, whatever its speed.
+    return 0 if all(r["correct_vs_cpu"] for r in results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -183,7 +183,7 @@ __device__ void sf_cu_stage(void *dst, const void *src, int64_t count, bool al) 
 template <int DT>
 __device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const sf_cu_span &sp,
                                                const sf_cu_in &in, bool cut, int64_t i0,
-                                               float *rr, bool *read_q) {
+                                               float *rr, bool *read_q, float *base = NULL) {
     const int64_t n = sp.hi;
     float b[8];
     bool rq = true;
@@ -213,6 +213,10 @@ __device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const sf_cu_s
         /* Written earlier in this kernel: plain loads, not __ldg. */
 #pragma unroll
         for (int j = 0; j < 8; j++) b[j] = i0 + j < n ? in.base[i0 + j] : 0.0f;
+    }
+    if (base) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) base[j] = b[j];
     }
     if (in.q) {
         if (rq) {
@@ -284,6 +288,9 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
                                        int ntiles, int *q_bad, uint64_t *q_mass) {
     const int64_t n = sp.hi;
     const bool cut = sf_cu_cut_active(r) && !in.base;
+    /* dist.c: under the row's cut, from the row or a stored base alike, only
+     * the q of tokens with a weight are checked (and not q's sum). */
+    const bool weighted_only = sf_cu_cut_active(r);
     for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) tiles[t] = 0;
     __syncthreads();
     int qbad = 0;
@@ -291,14 +298,15 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
     const bool als = store && sf_cu_aligned(store);
     for (int t = 0; t < ntiles; t++) {
         const int64_t i0 = sp.lo + (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
-        float rr[8];
+        float rr[8], bb[8];
         bool rq;
-        sf_cu_weights8<DT>(r, sp, in, cut, i0, rr, &rq);
+        sf_cu_weights8<DT>(r, sp, in, cut, i0, rr, &rq, bb);
         uint64_t s = 0;
         if (in.q && rq && i0 < n) {
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 if (i0 + j >= n) break;
+                if (weighted_only && bb[j] == 0.0f) continue;
                 /* kernels_impl.h: q outside [0, 1.001] (or NaN) is bad; the
                  * good values sum exactly as fixed-point masses. */
                 float q = __ldg(in.q + i0 + j);
@@ -664,7 +672,7 @@ __device__ int sf_cu_reject_dense(sf_cu_dist &d, const sf_cu_span &sp, const flo
     uint64_t total = sf_cu_pass_weights<DT>(r, sp, in, out, tiles, ntiles, &q_bad, &q_mass);
     /* q must sum to 1 within 1e-3 where the pass read it whole (dist.c). */
     const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
-    const bool whole = !(sf_cu_cut_active(r) && !in.base);
+    const bool whole = !sf_cu_cut_active(r);
     if (q_bad || (whole && (q_mass > one + tol || q_mass + tol < one))) return SF_ERR_DRAFT_PROBS;
     if (total == 0) {
         /* p <= q everywhere (p == q up to rounding): keep p. */
@@ -761,7 +769,9 @@ __device__ void sf_cu_set_mass(sf_cu_dist &d, const sf_cu_span &sp, uint64_t *ti
 template <int DT>
 __global__ void __launch_bounds__(SF_CU_THREADS, SF_CU_MIN_BLOCKS)
 sf_cu_verify_kernel(sf_cu_verify_args a) {
-    extern __shared__ uint64_t tiles[]; /* the span's tiles, then its staged tokens */
+    /* cp.async stages rows here in 16-byte pieces: aligned whatever the static
+     * shared memory before it. */
+    extern __shared__ __align__(16) uint64_t tiles[]; /* the span's tiles, then its staged tokens */
     __shared__ sf_cu_dist d;
     __shared__ int32_t first[SF_MAX_DRAFT + 1], next[SF_MAX_DRAFT];
     __shared__ int s_flag, s_try;
@@ -950,7 +960,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
 
 template <int DT>
 __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_args a) {
-    extern __shared__ uint64_t tiles[];
+    extern __shared__ __align__(16) uint64_t tiles[];
     __shared__ sf_cu_dist d;
     const int64_t b = blockIdx.x, n = a.vocab;
     const int ntiles = (int)((n + SF_CU_TILE - 1) / SF_CU_TILE);
@@ -1010,8 +1020,9 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
 
 static thread_local int sf_cu_last_error = 0;
 
-static sf_status sf_cu_launched(void) {
-    cudaError_t e = cudaGetLastError();
+/* A launch's own status: cudaGetLastError would also return (and clear) an
+ * earlier asynchronous error of the caller's, as if it were this launch's. */
+static sf_status sf_cu_launched(cudaError_t e) {
     sf_cu_last_error = (int)e;
     return e == cudaSuccess ? SF_OK : SF_ERR_UNSUPPORTED;
 }
@@ -1034,16 +1045,23 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
     return SF_OK;
 }
 
-/* Static and dynamic shared memory together beyond 48 KB must be asked for;
- * each kernel's grant is remembered (a race only repeats the same call). */
+/* Static and dynamic shared memory together beyond 48 KB must be asked for,
+ * per device; each grant is remembered (a race only repeats the same call). */
 static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
-    static const void *kernels[8];
-    static size_t granted[8];
+    enum { DEVICES = 16, KERNELS = 8 };
+    static const void *kernels[DEVICES][KERNELS];
+    static size_t granted[DEVICES][KERNELS];
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    const bool cache = dev >= 0 && dev < DEVICES;
     int k = 0;
-    while (k < 7 && kernels[k] && kernels[k] != kernel) k++;
-    if (kernels[k] == kernel && granted[k] >= bytes) return cudaSuccess;
+    if (cache) {
+        while (k < KERNELS - 1 && kernels[dev][k] && kernels[dev][k] != kernel) k++;
+        if (kernels[dev][k] == kernel && granted[dev][k] >= bytes) return cudaSuccess;
+    }
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, kernel);
+    e = cudaFuncGetAttributes(&fa, kernel);
     if (e != cudaSuccess) return e;
     if (fa.sharedSizeBytes + bytes > 48 * 1024) {
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
@@ -1052,8 +1070,10 @@ static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
                                      cudaSharedmemCarveoutMaxShared);
         if (e != cudaSuccess) return e;
     }
-    kernels[k] = kernel;
-    granted[k] = bytes;
+    if (cache) {
+        kernels[dev][k] = kernel;
+        granted[dev][k] = bytes;
+    }
     return cudaSuccess;
 }
 
@@ -1172,7 +1192,8 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     void (*kernel)(sf_cu_verify_args) =
         logits->dtype == SF_F32 ? sf_cu_verify_kernel<SF_F32>
         : logits->dtype == SF_F16 ? sf_cu_verify_kernel<SF_F16> : sf_cu_verify_kernel<SF_BF16>;
-    if (sf_cu_allow_shm((const void *)kernel, shm) != cudaSuccess) return sf_cu_launched();
+    const cudaError_t e = sf_cu_allow_shm((const void *)kernel, shm);
+    if (e != cudaSuccess) return sf_cu_launched(e);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(draft->batch * a.csize));
     cfg.blockDim = dim3(SF_CU_THREADS);
@@ -1185,8 +1206,7 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     attr.val.clusterDim.z = 1;
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
-    cudaLaunchKernelEx(&cfg, kernel, a);
-    return sf_cu_launched();
+    return sf_cu_launched(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
 static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *params,
@@ -1214,9 +1234,14 @@ static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *param
     void (*kernel)(sf_cu_rows_args) =
         logits->dtype == SF_F32 ? sf_cu_rows_kernel<SF_F32>
         : logits->dtype == SF_F16 ? sf_cu_rows_kernel<SF_F16> : sf_cu_rows_kernel<SF_BF16>;
-    if (sf_cu_allow_shm((const void *)kernel, shm) != cudaSuccess) return sf_cu_launched();
-    kernel<<<(unsigned)logits->rows, SF_CU_THREADS, shm, (cudaStream_t)stream>>>(a);
-    return sf_cu_launched();
+    const cudaError_t e = sf_cu_allow_shm((const void *)kernel, shm);
+    if (e != cudaSuccess) return sf_cu_launched(e);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)logits->rows);
+    cfg.blockDim = dim3(SF_CU_THREADS);
+    cfg.dynamicSmemBytes = shm;
+    cfg.stream = (cudaStream_t)stream;
+    return sf_cu_launched(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
 SF_API sf_status sf_cuda_sample(const sf_logits *logits, const sf_cuda_params *params,
