@@ -579,7 +579,10 @@ __device__ uint64_t sf_cu_weight_at(const sf_cu_dist &d, const sf_cu_over &ov,
                                     const void *row, int64_t v) {
     for (int i = d.n_over - 1; i >= 0; i--)
         if (ov.id[i] == v) return ov.w[i];
-    float b = d.base ? d.base[v] : sf_cu_row_base(d.r, sf_cu_load1<DT>(row, v), v);
+    /* Another block of the cluster may have written base[v]: read it from L2
+     * (__ldcg), where the cluster barrier made it visible, not from this
+     * SM's L1. */
+    float b = d.base ? __ldcg(d.base + v) : sf_cu_row_base(d.r, sf_cu_load1<DT>(row, v), v);
     return sf_cu_fixed(sf_cu_resid(b, d.scale, d.q ? d.q[v] : 0.0f));
 }
 
