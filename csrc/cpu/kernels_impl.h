@@ -482,7 +482,7 @@ static int64_t gather(const sf_row *r, float lo, float hi, int32_t *ids,
 
 /* (a, ia) ranks before (b, ib) in (value descending, id ascending). */
 static inline int ranks_before(float a, int32_t ia, float b, int32_t ib) {
-    return a > b || (a == b && ia < ib);
+    return (a > b) | ((a == b) & (ia < ib)); /* no branch: the outcome is a coin toss */
 }
 
 static inline void swap_entries(int32_t *ids, float *vals, int64_t a, int64_t b) {
@@ -502,9 +502,15 @@ static void select_best(int32_t *ids, float *vals, int64_t n, int64_t k) {
         swap_entries(ids, vals, mid, hi);
         float pv = vals[hi];
         int32_t pi = ids[hi];
+        /* Lomuto without a branch: every entry is swapped with the first one
+         * not before the pivot, which only moves when the entry is before it
+         * (otherwise both lie in the "not before" run). */
         int64_t store = lo;
-        for (int64_t i = lo; i < hi; i++)
-            if (ranks_before(vals[i], ids[i], pv, pi)) swap_entries(ids, vals, i, store++);
+        for (int64_t i = lo; i < hi; i++) {
+            const int before = ranks_before(vals[i], ids[i], pv, pi);
+            swap_entries(ids, vals, i, store);
+            store += before;
+        }
         swap_entries(ids, vals, store, hi);
         if (store == k - 1) return;
         if (store < k - 1) lo = store + 1; else hi = store - 1;
