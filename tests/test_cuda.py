@@ -216,9 +216,10 @@ def _outcome(fn):
         r = fn()
     except ValueError:
         return ("error",)
-    return (np.asarray(r.tokens.cpu() if hasattr(r.tokens, "cpu") else r.tokens).tolist(),
-            np.asarray(r.num_accepted.cpu() if hasattr(r.num_accepted, "cpu")
-                       else r.num_accepted).tolist())
+    def host(t):
+        return np.asarray(t.cpu() if hasattr(t, "cpu") else t).tolist()
+
+    return host(r.tokens), host(r.num_accepted)
 
 
 @pytest.mark.parametrize("case", ["outside-cut", "outside-cut-tree", "sum-off", "min-p"])

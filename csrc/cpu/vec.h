@@ -285,17 +285,16 @@ SF_INLINE void vphilox2(const vphilox_key *q, vu index_a, vu index_b, vu out_a[4
     out_b[0] = c0[1]; out_b[1] = c1[1]; out_b[2] = c2[1]; out_b[3] = c3[1];
 }
 
-/* sf_resid, lane by lane. */
-SF_INLINE vf vresid(vf b, float scale, vf q) {
-    vf x = b * scale - q;
-    return vsel((x > 0.0f) & (b > 0.0f), x, vf_set(0.0f));
-}
-
 /* vresid where q >= 0 or the call fails: b = 0 then gives x <= 0 (or NaN),
  * so the test of b is not needed. */
 SF_INLINE vf vresid_checked(vf b, float scale, vf q) {
     vf x = b * scale - q;
     return vsel(x > 0.0f, x, vf_set(0.0f));
+}
+
+/* sf_resid, lane by lane. */
+SF_INLINE vf vresid(vf b, float scale, vf q) {
+    return vsel(b > 0.0f, vresid_checked(b, scale, q), vf_set(0.0f));
 }
 
 /* Exact sums of floor(r * 2^40), 0 <= r < 2048, over the lanes of many
