@@ -190,6 +190,25 @@ def test_errors_are_reported(rng):
                      check=True)
 
 
+@pytest.mark.parametrize("bad", [
+    torch.empty(3, dtype=torch.int64, device=DEV),   # dtype
+    torch.empty(4, dtype=torch.int32, device=DEV),   # shape
+    torch.empty(3, dtype=torch.int32),               # on the host
+    torch.empty(6, dtype=torch.int32, device=DEV)[::2],  # strided
+], ids=["dtype", "shape", "host", "strided"])
+def test_out_tensors_are_checked(bad):
+    """The kernels write through out's pointers: a wrong one is an error, not a fault."""
+    x = to_torch(np.zeros((3, 50), np.float32))
+    for key in ("tokens", "status"):
+        with pytest.raises(ValueError, match=f"out\\['{key}'\\]"):
+            _cuda.sample(x, out={key: bad})
+    with pytest.raises(ValueError, match="out\\['num_accepted'\\]"):
+        _cuda.verify(to_torch(np.zeros((5, 50), np.float32)), to_torch(np.array([1, 2], np.int32)),
+                     np.array([1, 1, 0]), out={"num_accepted": bad})
+    with pytest.raises(TypeError, match="torch tensor"):
+        _cuda.probs(x, out={"probs": np.zeros((3, 50), np.float32)})
+
+
 def test_cuda_graph_capture(rng):
     x = to_torch(_logits(rng, 16, 1000, "bfloat16"))
     seed = torch.arange(16, device=DEV, dtype=torch.int64)

@@ -177,6 +177,37 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
     return p
 
 
+def _out(out, name, shape, dtype, dev):
+    """``out[name]`` checked to be a contiguous ``dtype`` CUDA tensor of ``shape`` on
+    ``dev`` (the kernel writes through its pointer), or a new one."""
+    torch = _torch()
+    t = out.get(name)
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"out[{name!r}] must be a torch tensor, got {type(t).__name__}")
+    if t.dtype != dtype or t.device != dev or tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"out[{name!r}] must be a {dtype} tensor of shape {tuple(shape)} on {dev}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"out[{name!r}] must be contiguous")
+    return t
+
+
+def _workspace(out, need, dev):
+    """``out["workspace"]`` when it is a contiguous tensor of at least ``need`` bytes
+    on ``dev``, else a new one."""
+    torch = _torch()
+    ws = out.get("workspace")
+    if ws is not None:
+        if not isinstance(ws, torch.Tensor) or ws.device != dev or not ws.is_contiguous():
+            raise ValueError(f"out['workspace'] must be a contiguous tensor on {dev}")
+        if ws.numel() * ws.element_size() >= need:
+            return ws
+    return torch.empty(need, dtype=torch.uint8, device=dev)
+
+
 def _stream(dev):
     return ffi.cast("void *", _torch().cuda.current_stream(dev).cuda_stream)
 
@@ -305,30 +336,17 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     params = _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position)
     out = dict(out or {})
     width = max_draft + 1
-    o_tok = out.get("tokens")
-    if o_tok is None:
-        o_tok = torch.empty((batch, width), dtype=torch.int32, device=dev)
-    o_acc = out.get("num_accepted")
-    if o_acc is None:
-        o_acc = torch.empty(batch, dtype=torch.int32, device=dev)
-    o_nodes = out.get("accepted_nodes")
-    if o_nodes is None:
-        o_nodes = torch.empty((batch, max_draft), dtype=torch.int32, device=dev)
-    status = out.get("status")
-    if status is None:
-        status = torch.empty(batch, dtype=torch.int32, device=dev)
-    if (tuple(o_tok.shape) != (batch, width) or tuple(o_acc.shape) != (batch,)
-            or tuple(o_nodes.shape) != (batch, max_draft) or tuple(status.shape) != (batch,)):
-        raise ValueError("out: tensors of the wrong shape")
+    o_tok = _out(out, "tokens", (batch, width), torch.int32, dev)
+    o_acc = _out(out, "num_accepted", (batch,), torch.int32, dev)
+    o_nodes = _out(out, "accepted_nodes", (batch, max_draft), torch.int32, dev)
+    status = _out(out, "status", (batch,), torch.int32, dev)
     vo = ffi.new("sf_verify_out *")
     vo.tokens = ffi.cast("int32_t *", o_tok.data_ptr())
     vo.num_accepted = ffi.cast("int32_t *", o_acc.data_ptr())
     vo.accepted_nodes = ffi.cast("int32_t *", o_nodes.data_ptr()) if max_draft else ffi.NULL
     vo.max_draft = max_draft
     need = lib().sf_cuda_verify_workspace(cl, d, m)
-    ws = out.get("workspace")
-    if need and (ws is None or ws.numel() * ws.element_size() < need):
-        ws = torch.empty(need, dtype=torch.uint8, device=dev)
+    ws = _workspace(out, need, dev) if need else None
     with torch.cuda.device(dev):
         st = lib().sf_cuda_verify(cl, d, params, m, vo, ffi.cast("int32_t *", status.data_ptr()),
                                   _ptr(ws) if need else ffi.NULL, need, _stream(dev))
@@ -351,12 +369,8 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position)
     out = dict(out or {})
-    tokens = out.get("tokens")
-    if tokens is None:
-        tokens = torch.empty(rows, dtype=torch.int32, device=dev)
-    status = out.get("status")
-    if status is None:
-        status = torch.empty(rows, dtype=torch.int32, device=dev)
+    tokens = _out(out, "tokens", (rows,), torch.int32, dev)
+    status = _out(out, "status", (rows,), torch.int32, dev)
     with torch.cuda.device(dev):
         st = lib().sf_cuda_sample(cl, params, m, ffi.cast("int32_t *", tokens.data_ptr()),
                                   ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
@@ -377,12 +391,8 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, check=None,
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, 0, 0)
     out = dict(out or {})
-    result = out.get("probs")
-    if result is None:
-        result = torch.empty(tuple(x.shape), dtype=torch.float32, device=dev)
-    status = out.get("status")
-    if status is None:
-        status = torch.empty(rows, dtype=torch.int32, device=dev)
+    result = _out(out, "probs", tuple(x.shape), torch.float32, dev)
+    status = _out(out, "status", (rows,), torch.int32, dev)
     with torch.cuda.device(dev):
         st = lib().sf_cuda_probs(cl, params, ffi.cast("float *", result.data_ptr()),
                                  ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
