@@ -1080,6 +1080,28 @@ static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
     return cudaSuccess;
 }
 
+/* kernel(a) on `stream`: `blocks` blocks of SF_CU_THREADS threads with `shm`
+ * bytes of dynamic shared memory, in clusters of `cluster` blocks. */
+template <class Args>
+static sf_status sf_cu_launch(void (*kernel)(Args), Args a, int64_t blocks, size_t shm,
+                              int cluster, void *stream) {
+    const cudaError_t e = sf_cu_allow_shm((const void *)kernel, shm);
+    if (e != cudaSuccess) return sf_cu_launched(e);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)blocks);
+    cfg.blockDim = dim3(SF_CU_THREADS);
+    cfg.dynamicSmemBytes = shm;
+    cfg.stream = (cudaStream_t)stream;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = (unsigned)cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = cluster > 1; /* a lone block needs no cluster (nor sm_90) */
+    return sf_cu_launched(cudaLaunchKernelEx(&cfg, kernel, a));
+}
+
 static size_t sf_cu_tiles_bytes(int64_t vocab) {
     return (size_t)((vocab + SF_CU_TILE - 1) / SF_CU_TILE) * sizeof(uint64_t);
 }
@@ -1195,21 +1217,7 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     void (*kernel)(sf_cu_verify_args) =
         logits->dtype == SF_F32 ? sf_cu_verify_kernel<SF_F32>
         : logits->dtype == SF_F16 ? sf_cu_verify_kernel<SF_F16> : sf_cu_verify_kernel<SF_BF16>;
-    const cudaError_t e = sf_cu_allow_shm((const void *)kernel, shm);
-    if (e != cudaSuccess) return sf_cu_launched(e);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(draft->batch * a.csize));
-    cfg.blockDim = dim3(SF_CU_THREADS);
-    cfg.dynamicSmemBytes = shm;
-    cfg.stream = (cudaStream_t)stream;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = (unsigned)a.csize;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    return sf_cu_launched(cudaLaunchKernelEx(&cfg, kernel, a));
+    return sf_cu_launch(kernel, a, draft->batch * a.csize, shm, a.csize, stream);
 }
 
 static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *params,
@@ -1237,14 +1245,7 @@ static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *param
     void (*kernel)(sf_cu_rows_args) =
         logits->dtype == SF_F32 ? sf_cu_rows_kernel<SF_F32>
         : logits->dtype == SF_F16 ? sf_cu_rows_kernel<SF_F16> : sf_cu_rows_kernel<SF_BF16>;
-    const cudaError_t e = sf_cu_allow_shm((const void *)kernel, shm);
-    if (e != cudaSuccess) return sf_cu_launched(e);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)logits->rows);
-    cfg.blockDim = dim3(SF_CU_THREADS);
-    cfg.dynamicSmemBytes = shm;
-    cfg.stream = (cudaStream_t)stream;
-    return sf_cu_launched(cudaLaunchKernelEx(&cfg, kernel, a));
+    return sf_cu_launch(kernel, a, logits->rows, shm, 1, stream);
 }
 
 SF_API sf_status sf_cuda_sample(const sf_logits *logits, const sf_cuda_params *params,
