@@ -379,7 +379,7 @@ def _raise(status, what, index, param_values):
     detail = None
     if status == lib().SF_ERR_PARAM:
         shown = ", ".join(
-            f"{k}={np.asarray(v).reshape(-1)[0 if np.size(v) == 1 else index]!r}"
+            f"{k}={np.asarray(v).reshape(-1)[0 if np.size(v) == 1 else index].item()!r}"
             for k, v in param_values.items()
         )
         detail = f"{_PARAM_RULES}; got {shown}"

@@ -244,8 +244,9 @@ def _raise_device(status, what, params):
     if code == 3:
         shown = []
         for k, v in params.items():
-            vv = v.reshape(-1).cpu().numpy() if hasattr(v, "reshape") else np.asarray(v).reshape(-1)
-            shown.append(f"{k}={vv[0 if vv.size == 1 else index]!r}")
+            vv = (v.reshape(-1).cpu().numpy() if isinstance(v, _torch().Tensor)
+                  else np.asarray(v).reshape(-1))
+            shown.append(f"{k}={vv[0 if vv.size == 1 else index].item()!r}")
         detail = f"{_PARAM_RULES}; got " + ", ".join(shown)
     # Shape errors concern the whole call on the CPU backend.
     check(code, what, -1 if code == 2 else index, detail)
@@ -357,11 +358,11 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     return VerifyResult(o_tok, o_acc, o_nodes)
 
 
-def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0,
-           method="rejection", check=None, out=None):
-    """:func:`specfast.sample` on a CUDA tensor; returns ``(rows,)`` int32 on the device."""
+def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p, seed,
+          position):
+    """sample and probs: ``call(c_logits, params, result, status, stream)`` launches
+    the kernel that writes ``out[name]``: one token per row, or the rows' probs."""
     torch = _torch()
-    m = _method(method)
     dev = logits.device
     keep = []
     cl, x = _c_logits(logits, "logits", keep)
@@ -369,35 +370,32 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position)
     out = dict(out or {})
-    tokens = _out(out, "tokens", (rows,), torch.int32, dev)
+    if name == "tokens":
+        result = _out(out, name, (rows,), torch.int32, dev)
+        ptr = ffi.cast("int32_t *", result.data_ptr())
+    else:
+        result = _out(out, name, tuple(x.shape), torch.float32, dev)
+        ptr = ffi.cast("float *", result.data_ptr())
     status = _out(out, "status", (rows,), torch.int32, dev)
     with torch.cuda.device(dev):
-        st = lib().sf_cuda_sample(cl, params, m, ffi.cast("int32_t *", tokens.data_ptr()),
-                                  ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
+        st = call(cl, params, ptr, ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
     if st:
-        _raise_host(st, "specfast.sample", pvals)
+        _raise_host(st, what, pvals)
     if _want_check(check):
-        _raise_device(status, "specfast.sample", pvals)
-    return tokens
+        _raise_device(status, what, pvals)
+    return result
+
+
+def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, position=0,
+           method="rejection", check=None, out=None):
+    """:func:`specfast.sample` on a CUDA tensor; returns ``(rows,)`` int32 on the device."""
+    m = _method(method)
+    return _rows("specfast.sample", logits, "tokens",
+                 lambda cl, params, *rest: lib().sf_cuda_sample(cl, params, m, *rest),
+                 check, out, temperature, top_k, top_p, min_p, seed, position)
 
 
 def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, check=None, out=None):
     """:func:`specfast.probs` on a CUDA tensor; returns ``(rows, V)`` float32 on the device."""
-    torch = _torch()
-    dev = logits.device
-    keep = []
-    cl, x = _c_logits(logits, "logits", keep)
-    rows = x.shape[0]
-    pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, 0, 0)
-    out = dict(out or {})
-    result = _out(out, "probs", tuple(x.shape), torch.float32, dev)
-    status = _out(out, "status", (rows,), torch.int32, dev)
-    with torch.cuda.device(dev):
-        st = lib().sf_cuda_probs(cl, params, ffi.cast("float *", result.data_ptr()),
-                                 ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
-    if st:
-        _raise_host(st, "specfast.probs", pvals)
-    if _want_check(check):
-        _raise_device(status, "specfast.probs", pvals)
-    return result
+    return _rows("specfast.probs", logits, "probs", lambda *args: lib().sf_cuda_probs(*args),
+                 check, out, temperature, top_k, top_p, min_p, 0, 0)

@@ -1,0 +1,177 @@
+"""The CUDA backend's host side (``specfast._cuda``) without a GPU.
+
+The kernels stand in as a fake library that records what it is given and writes
+the status codes a test asks for; torch tensors stay on the CPU. What is checked
+is the part that runs on the host: the caller's tensors and parameters are
+validated before any kernel sees a pointer, scalars travel by value and arrays as
+per-request pointers, and the codes a launch or a kernel returns become the
+exceptions the CPU backend raises. tests/test_cuda.py runs the real kernels.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specfast import _cuda  # noqa: E402
+
+
+class FakeKernels:
+    """Records each call; writes ``codes`` (request -> status) and returns ``launch``."""
+
+    def __init__(self):
+        self.calls, self.codes, self.launch = [], {}, 0
+
+    def _finish(self, name, status, rows, params=None, **seen):
+        if params is not None:  # read now: the arrays live as long as the call
+            seen["params"] = {
+                k: getattr(params, k + "_value") if getattr(params, k) == _cuda.ffi.NULL
+                else [getattr(params, k)[i] for i in range(getattr(params, "n_" + k))]
+                for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position")}
+        self.calls.append((name, seen))
+        for i in range(rows):
+            status[i] = self.codes.get(i, 0)
+        return self.launch
+
+    def sf_cuda_sample(self, cl, params, method, tokens, status, stream):
+        return self._finish("sample", status, cl.rows, method=method, params=params)
+
+    def sf_cuda_probs(self, cl, params, out, status, stream):
+        return self._finish("probs", status, cl.rows, params=params)
+
+    def sf_cuda_verify_workspace(self, cl, draft, method):
+        return 96
+
+    def sf_cuda_verify(self, cl, draft, params, method, out, status, ws, ws_bytes, stream):
+        return self._finish("verify", status, draft.batch, batch=draft.batch, n=draft.n,
+                            kind=draft.kind, max_draft=out.max_draft, ws_bytes=ws_bytes)
+
+    def sf_cuda_last_error(self):
+        return 2
+
+    def sf_cuda_error_string(self, error):
+        return _cuda.ffi.new("char[]", b"out of memory")
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    fake = FakeKernels()
+    monkeypatch.setattr(_cuda, "lib", lambda: fake)
+    monkeypatch.setattr(_cuda, "_stream", lambda dev: _cuda.ffi.NULL)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    return fake
+
+
+def chain(batch=3, vocab=50):
+    """A ragged batch (num_draft 1, 2, 0, ...) as torch tensors."""
+    nd = np.array([1, 2, 0] * (batch // 3) + [1] * (batch % 3))
+    tokens = torch.arange(int(nd.sum()), dtype=torch.int32) % vocab
+    return torch.zeros(int(nd.sum()) + batch, vocab), tokens, nd
+
+
+@pytest.mark.parametrize("bad, error", [
+    (torch.empty(3, dtype=torch.int64), ValueError),
+    (torch.empty(4, dtype=torch.int32), ValueError),
+    (torch.empty(6, dtype=torch.int32)[::2], ValueError),
+    (np.empty(3, np.int32), TypeError),
+], ids=["dtype", "shape", "strided", "numpy"])
+def test_out_tensors_checked_before_any_kernel(kernels, bad, error):
+    x = torch.zeros(3, 50)
+    for key in ("tokens", "status"):
+        with pytest.raises(error, match=f"out\\['{key}'\\]"):
+            _cuda.sample(x, out={key: bad})
+    with pytest.raises(error, match="out\\['num_accepted'\\]"):
+        _cuda.verify(*chain(), out={"num_accepted": bad})
+    with pytest.raises(ValueError, match="out\\['probs'\\]"):
+        _cuda.probs(x, out={"probs": torch.empty(3, 49)})
+    with pytest.raises(ValueError, match="out\\['workspace'\\]"):
+        _cuda.verify(*chain(), out={"workspace": torch.empty(400, dtype=torch.uint8)[::2]})
+    assert kernels.calls == []
+
+
+def test_given_out_tensors_are_the_results(kernels):
+    logits, tokens, nd = chain()
+    out = {"tokens": torch.empty(3, 3, dtype=torch.int32),
+           "num_accepted": torch.empty(3, dtype=torch.int32),
+           "accepted_nodes": torch.empty(3, 2, dtype=torch.int32),
+           "status": torch.full((3,), 7, dtype=torch.int32),
+           "workspace": torch.empty(200, dtype=torch.uint8)}
+    r = _cuda.verify(logits, tokens, nd, out=out)
+    assert r.tokens is out["tokens"] and r.num_accepted is out["num_accepted"]
+    assert r.accepted_nodes is out["accepted_nodes"]
+    assert out["status"].tolist() == [0, 0, 0]  # the kernel's writes land in it
+    assert kernels.calls[-1][1] == dict(batch=3, n=3, kind=0, max_draft=2, ws_bytes=96)
+
+
+def test_scalars_by_value_arrays_per_request(kernels):
+    x = torch.zeros(4, 50)
+    _cuda.sample(x, temperature=0.5, top_k=np.int64(7), seed=2**64 - 1, position=-3)
+    assert kernels.calls[-1][1]["params"] == dict(
+        temperature=0.5, top_k=7, top_p=1.0, min_p=0.0, seed=2**64 - 1, position=-3)
+    _cuda.sample(x, top_p=np.array([0.5, 0.25, 0.75, 1.0]), min_p=torch.tensor([0.125]),
+                 seed=np.array([1, 2, 3, 2**63], np.uint64), position=torch.arange(4) * 10,
+                 method="coupled")
+    name, seen = kernels.calls[-1]
+    assert seen["method"] == 1
+    assert seen["params"] == dict(temperature=1.0, top_k=0, top_p=[0.5, 0.25, 0.75, 1.0],
+                                  min_p=[0.125], seed=[1, 2, 3, 2**63],  # 64 bits, unsigned
+                                  position=[0, 10, 20, 30])
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(top_p=np.array([0.5, 0.6])), ValueError, "one value per request"),
+    (dict(seed=-1), ValueError, "out of range"),
+    (dict(seed=np.array([1, -2, 3, 4])), ValueError, "non-negative"),
+    (dict(top_k=2.5), TypeError, "integer"),
+    (dict(top_k=torch.tensor([1.0, 2.0, 3.0, 4.0])), TypeError, "integers"),
+    (dict(temperature=None), TypeError, "number or an array"),
+    (dict(method="greedy"), ValueError, "method"),
+], ids=["length", "seed", "seeds", "top_k", "top_k-float", "none", "method"])
+def test_bad_parameters_raise_before_any_kernel(kernels, kw, error, match):
+    with pytest.raises(error, match=match):
+        _cuda.sample(torch.zeros(4, 50), **kw)
+    assert kernels.calls == []
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: dict(a, nd=np.array([1, 1, 0])), "sum\\(num_draft\\)"),
+    (lambda a: dict(a, nd=np.array([1, 2, -1, 1])), ">= 0"),
+    (lambda a: dict(a, logits=a["logits"][:-1]), "rows"),
+    (lambda a: dict(a, logits=torch.zeros(6, 50, dtype=torch.float64)), "float32"),
+    (lambda a: dict(a, draft_probs=torch.zeros(3, 49)), "draft_probs must have shape"),
+    (lambda a: dict(a, draft_probs=(torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 3))),
+     "sparse draft_probs"),
+    (lambda a: dict(a, parents=torch.zeros(2, dtype=torch.int32)), "parents has 2"),
+    (lambda a: dict(a, tokens=a["tokens"].float() + 0.5), "integers"),
+], ids=["sum", "negative", "rows", "dtype", "dense", "sparse", "parents", "float-tokens"])
+def test_bad_verify_input_raises_before_any_kernel(kernels, change, match):
+    logits, tokens, nd = chain()
+    a = change(dict(logits=logits, tokens=tokens, nd=nd, draft_probs=None, parents=None))
+    with pytest.raises((ValueError, TypeError), match=match):
+        _cuda.verify(a["logits"], a["tokens"], a["nd"], draft_probs=a["draft_probs"],
+                     parents=a["parents"])
+    assert kernels.calls == []
+
+
+def test_kernel_status_becomes_the_cpu_exception(kernels):
+    logits, tokens, nd = chain(batch=6)
+    kernels.codes = {4: 4 | 2 << 8, 5: 6 | 1 << 8}  # a NaN row at 4; a bad draft token at 5
+    r = _cuda.verify(logits, tokens, nd, check=False)  # left on the device
+    assert r.tokens.shape == (6, 3)
+    # The draft checks (phase 1) come before the rows (phase 2), as on the CPU.
+    with pytest.raises(ValueError, match="draft token.*at index 5"):
+        _cuda.verify(logits, tokens, nd, check=True)
+    kernels.codes = {1: 3 | 0 << 8}
+    with pytest.raises(ValueError, match="sampling parameter.*top_p=0.7"):
+        _cuda.sample(torch.zeros(3, 50), top_p=np.array([0.9, 0.7, 0.8]), check=True)
+
+
+def test_launch_failure_is_a_runtime_error(kernels):
+    kernels.launch = 11
+    with pytest.raises(RuntimeError, match="did not launch \\(out of memory\\)"):
+        _cuda.probs(torch.zeros(2, 50))
+    kernels.launch = 2
+    with pytest.raises(ValueError, match="specfast.sample"):
+        _cuda.sample(torch.zeros(2, 50))
