@@ -145,13 +145,21 @@ def test_bad_parameters_raise_before_any_kernel(kernels, kw, error, match):
      "sparse draft_probs"),
     (lambda a: dict(a, parents=torch.zeros(2, dtype=torch.int32)), "parents has 2"),
     (lambda a: dict(a, tokens=a["tokens"].float() + 0.5), "integers"),
-], ids=["sum", "negative", "rows", "dtype", "dense", "sparse", "parents", "float-tokens"])
+    (lambda a: dict(a, max_draft=1), "max_draft=1 but num_draft holds 2"),
+    (lambda a: dict(a, max_draft=-1), "max_draft must be an integer"),
+    (lambda a: dict(a, max_draft=2.0), "max_draft must be an integer"),
+    (lambda a: dict(a, max_draft=1025), "max_draft must be an integer in \\[0, 1024\\]"),
+    (lambda a: dict(a, logits=torch.zeros(1027, 5), tokens=torch.zeros(1025, dtype=torch.int32),
+                    nd=np.array([1025, 0])), "at most 1024 draft nodes"),
+], ids=["sum", "negative", "rows", "dtype", "dense", "sparse", "parents", "float-tokens",
+        "max-small", "max-negative", "max-float", "max-large", "too-deep"])
 def test_bad_verify_input_raises_before_any_kernel(kernels, change, match):
     logits, tokens, nd = chain()
-    a = change(dict(logits=logits, tokens=tokens, nd=nd, draft_probs=None, parents=None))
+    a = change(dict(logits=logits, tokens=tokens, nd=nd, draft_probs=None, parents=None,
+                    max_draft=None))
     with pytest.raises((ValueError, TypeError), match=match):
         _cuda.verify(a["logits"], a["tokens"], a["nd"], draft_probs=a["draft_probs"],
-                     parents=a["parents"])
+                     parents=a["parents"], max_draft=a["max_draft"])
     assert kernels.calls == []
 
 

@@ -30,7 +30,7 @@ import cffi
 import numpy as np
 
 from ._cdef import CDEF
-from ._api import _MAX_VOCAB, _PARAM_RULES, _method, _torch
+from ._api import _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _method, _torch
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -122,6 +122,10 @@ def _c_logits(x, name, keep):
     c.dtype, c.rows, c.vocab = code, x.shape[0], x.shape[1]
     c.row_stride = x.stride(0) if x.shape[0] > 1 else x.shape[1]
     return c, x
+
+
+def _is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _is_scalar(v):
@@ -295,9 +299,17 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
                 f"sum(num_draft) = {int(nd_host.sum())} but draft_tokens has "
                 f"{tokens.shape[0]} entries"
             )
-        if max_draft is None:
-            max_draft = int(nd_host.max()) if nd_host.size else 0
+        most = int(nd_host.max()) if nd_host.size else 0
+        if most > _MAX_DRAFT:
+            raise ValueError(
+                f"num_draft: at most {_MAX_DRAFT} draft nodes per request, got {most}")
+        max_draft = most if max_draft is None else max_draft
         nd = _on_device(nd_host, torch.int32, dev, "num_draft", 1)
+    if not _is_int(max_draft) or not 0 <= max_draft <= _MAX_DRAFT:
+        raise ValueError(f"max_draft must be an integer in [0, {_MAX_DRAFT}], got {max_draft!r}")
+    if not is_cuda(num_draft) and max_draft < most:
+        raise ValueError(f"max_draft={max_draft} but num_draft holds {most}")
+    max_draft = int(max_draft)
     batch, n = nd.shape[0], tokens.shape[0]
     if logits.shape[0] != n + batch:
         raise ValueError(
