@@ -183,3 +183,105 @@ def test_launch_failure_is_a_runtime_error(kernels):
     kernels.launch = 2
     with pytest.raises(ValueError, match="specfast.sample"):
         _cuda.sample(torch.zeros(2, 50))
+
+
+# ---- libspecfast_cuda.so's own checks, where this installation built it ----
+
+def real_lib():
+    try:
+        return _cuda.lib()
+    except (NotImplementedError, OSError) as exc:
+        pytest.skip(f"CUDA backend not built: {exc}")
+
+
+def c_call(change=lambda c: None, entry="verify"):
+    """One sf_cuda_* call whose structs are valid but for `change`. The pointers
+    are placeholders: the host checks must fail before anything reads them."""
+    ffi, L = _cuda.ffi, real_lib()
+    fake = ffi.cast("void *", 4096)
+    c = dict(logits=ffi.new("sf_logits *", (fake, 0, 5, 50, 50)),
+             draft=ffi.new("sf_draft *"), params=ffi.new("sf_cuda_params *"),
+             out=ffi.new("sf_verify_out *", (fake, fake, fake, 2)), method=0,
+             workspace=fake, ws_bytes=1 << 20)
+    d = c["draft"]
+    d.tokens, d.n, d.num_draft, d.batch = fake, 3, fake, 2
+    for k in ("temperature", "top_k", "top_p", "min_p", "seed", "position"):
+        setattr(c["params"], "n_" + k, 1)
+    c["params"].temperature_value, c["params"].top_p_value = 1.0, 1.0
+    change(c)
+    if entry == "verify":
+        return L.sf_cuda_verify(c["logits"], c["draft"], c["params"], c["method"], c["out"],
+                                fake, c["workspace"], c["ws_bytes"], ffi.NULL)
+    rows = ffi.cast("int32_t *", fake) if entry == "sample" else ffi.cast("float *", fake)
+    fn = L.sf_cuda_sample if entry == "sample" else L.sf_cuda_probs
+    args = (c["logits"], c["params"], c["method"]) if entry == "sample" else (c["logits"], c["params"])
+    return fn(*args, rows, ffi.cast("int32_t *", fake), ffi.NULL)
+
+
+def _sparse(c):
+    fake = _cuda.ffi.cast("void *", 4096)
+    d = c["draft"]
+    d.kind, d.sparse_k, d.sparse_ids, d.sparse_probs = 2, 4, fake, fake
+
+
+def _set(path, value):
+    def change(c):
+        obj, field = path.split(".")
+        if field:
+            setattr(c[obj], field, value)
+        else:
+            c[obj] = value
+    return change
+
+
+@pytest.mark.parametrize("entry", ["verify", "sample", "probs"])
+@pytest.mark.parametrize("change, code", [
+    (_set("logits.", _cuda.ffi.NULL), 1),
+    (_set("logits.dtype", 3), 1),
+    (_set("logits.vocab", 0), 2),
+    (_set("logits.vocab", (1 << 24) + 1), 2),
+    (_set("logits.row_stride", 49), 2),
+    (_set("params.", _cuda.ffi.NULL), 1),
+    (lambda c: (_set("params.top_p", _cuda.ffi.cast("float *", 4096))(c),
+                _set("params.n_top_p", 3)(c)), 2),
+], ids=["no-logits", "dtype", "vocab-0", "vocab-big", "stride", "no-params", "params-count"])
+def test_c_entry_checks_shapes_and_pointers(entry, change, code):
+    assert c_call(change, entry) == code
+
+
+@pytest.mark.parametrize("change, code", [
+    (_set("draft.", _cuda.ffi.NULL), 1),
+    (_set("out.", _cuda.ffi.NULL), 1),
+    (_set("out.max_draft", 1025), 1),
+    (_set("out.accepted_nodes", _cuda.ffi.NULL), 1),
+    (_set("method.", 2), 1),
+    (_set("draft.kind", 3), 1),
+    (_set("draft.n", 4), 2),
+    (_set("draft.batch", -1), 2),
+    (_set("draft.tokens", _cuda.ffi.NULL), 1),
+    (_set("draft.kind", 1), 1),  # dense without its array
+    (lambda c: (_sparse(c), _set("draft.sparse_k", 0)(c)), 1),
+    (lambda c: (_sparse(c), _set("draft.sparse_ids", _cuda.ffi.NULL)(c)), 1),
+    (lambda c: (_sparse(c), _set("workspace.", _cuda.ffi.NULL)(c)), 1),  # overrides need one
+    (lambda c: (_sparse(c), _set("ws_bytes.", 8)(c)), 1),
+], ids=["no-draft", "no-out", "max-draft", "no-nodes", "method", "kind", "rows", "batch",
+        "no-tokens", "dense-null", "sparse-k", "sparse-null", "no-workspace",
+        "small-workspace"])
+def test_c_verify_checks_its_draft(change, code):
+    assert c_call(change) == code
+
+
+def test_c_call_without_a_gpu_fails_cleanly():
+    """Valid arguments where no GPU or driver is present: SF_ERR_UNSUPPORTED and
+    the CUDA error's text, no crash; Python makes it a RuntimeError."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the placeholder pointers would reach a kernel")
+    # The calls the checks above alter pass them all: only the launch fails.
+    for entry in ("verify", "sample", "probs"):
+        assert c_call(lambda c: None, entry) == 11
+    assert c_call(_sparse) == 11
+    L = real_lib()
+    assert L.sf_cuda_last_error() != 0
+    assert _cuda.ffi.string(L.sf_cuda_error_string(L.sf_cuda_last_error()))
+    with pytest.raises(RuntimeError, match="did not launch"):
+        _cuda._raise_host(11, "specfast.sample", {})
