@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from specfast import _cuda  # noqa: E402
+from specfast._api import _MAX_VOCAB  # noqa: E402
 
 
 class FakeKernels:
@@ -239,7 +240,7 @@ def _set(path, value):
     (_set("logits.", _cuda.ffi.NULL), 1),
     (_set("logits.dtype", 3), 1),
     (_set("logits.vocab", 0), 2),
-    (_set("logits.vocab", (1 << 24) + 1), 2),
+    (_set("logits.vocab", _MAX_VOCAB + 1), 2),
     (_set("logits.row_stride", 49), 2),
     (_set("params.", _cuda.ffi.NULL), 1),
     (lambda c: (_set("params.top_p", _cuda.ffi.cast("float *", 4096))(c),

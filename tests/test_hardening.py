@@ -5,7 +5,7 @@
   identical to serial calls (the C calls release the GIL and share one pool).
 - Fork: the pool survives fork (multiprocessing "fork" workers, and forks
   taken while another thread is inside a call).
-- Limits: vocab 262144 and SF_MAX_VOCAB = 2^24, batch 4096, trees of 256
+- Limits: vocab 262144 and SF_MAX_VOCAB = 2^24 - 2^15, batch 4096, trees of 256
   nodes, chains of 64, SF_MAX_DRAFT = 1024 nodes per request; past a limit a
   ValueError, never a MemoryError; scratch memory stops growing once warm.
 - Numerical edge cases, as the docstrings define them: ties go to the lowest
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import specfast as sf
+from specfast._api import _MAX_VOCAB
 from reference import (TOLERANCES, check_structure, ref_probs_row, request_slices,
                        simulate_coupled)
 
@@ -274,8 +275,9 @@ def test_vocab_262144(rng, dtype):
 
 
 def test_vocab_max(rng):
-    """SF_MAX_VOCAB = 2^24 tokens (a 32 MiB float16 row) works; one more is a ValueError."""
-    V = 1 << 24
+    """SF_MAX_VOCAB = 2^24 - 2^15 tokens (a 32 MiB float16 row) works; one more is a
+    ValueError."""
+    V = _MAX_VOCAB
     x = np.zeros((1, V), np.float16)
     x[0, :: 1 << 12] = -np.inf
     hot = [5, V - 1, 1 << 23]
@@ -291,6 +293,17 @@ def test_vocab_max(rng):
     r = sf.verify(np.concatenate([x, x]), np.array([1 << 23]), np.array([1]), temperature=0.0)
     assert r.num_accepted[0] == 1 and r.tokens[0, 1] == 1 << 23
     del p
+    # Every token tied: the row's mass is V * 2^40, which must not wrap (at 2^24
+    # tokens it was 2^64: probs were inf and sample drew token 0).
+    x[:] = 0.0
+    p = sf.probs(x)
+    assert np.all(p == p[0, 0]) and abs(float(p.sum(dtype=np.float64)) - 1.0) < 1e-4
+    assert len({int(sf.sample(x, seed=s)[0]) for s in range(8)}) == 8
+    del p
+    # A dense q of ones sums to V, not 1, whatever 64 bits would wrap it to.
+    with pytest.raises(ValueError, match="draft prob"):
+        sf.verify(np.zeros((2, V), np.float16), np.array([1]), np.array([1]),
+                  draft_probs=np.ones((1, V), np.float32), top_p=1.0, seed=2)
     too_big = np.zeros((2, V + 1), np.float16)
     for call in (lambda: sf.probs(too_big), lambda: sf.sample(too_big),
                  lambda: sf.verify(too_big, np.array([0]), np.array([1]))):

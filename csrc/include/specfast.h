@@ -40,9 +40,10 @@ extern "C" {
 #define SF_API
 #endif
 
-/* Limits. A vocabulary of up to 2^24 tokens keeps the fixed-point masses of a
- * row (2^40 for the most probable token) inside 64 bits. */
-#define SF_MAX_VOCAB (1 << 24)
+/* Limits. The vocabulary keeps the fixed-point masses inside 64 bits: a row's
+ * (at most 2^40 a token) and a dense draft row's (at most 1.001 * 2^40 a token,
+ * summed to check it): V * 1.001 < 2^24. */
+#define SF_MAX_VOCAB ((1 << 24) - (1 << 15))
 #define SF_MAX_BATCH (1 << 20)
 #define SF_MAX_DRAFT 1024 /* draft nodes per request */
 

@@ -13,7 +13,7 @@ from ._lib import check, ffi, lib
 _METHODS = {"rejection": 0, "coupled": 1}
 _F32, _F16, _BF16 = 0, 1, 2
 _LOGIT_DTYPES = {np.dtype(np.float32): _F32, np.dtype(np.float16): _F16}
-_MAX_VOCAB = 1 << 24  # SF_MAX_VOCAB, SF_MAX_DRAFT, SF_MAX_BATCH of specfast.h
+_MAX_VOCAB = (1 << 24) - (1 << 15)  # SF_MAX_VOCAB, SF_MAX_DRAFT, SF_MAX_BATCH of specfast.h
 _MAX_DRAFT = 1024
 _MAX_BATCH = 1 << 20
 
@@ -424,7 +424,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
 
     Notes
     -----
-    Limits: ``V <= 2**24``, ``B <= 2**20``, at most 1024 draft nodes per request;
+    Limits: ``V <= 2**24 - 2**15``, ``B <= 2**20``, at most 1024 draft nodes per request;
     beyond them a ValueError. Memory: besides the outputs and 8 bytes per request,
     each pool thread keeps scratch between calls of at most about ``24 * V`` bytes
     (``V / 32`` for block sums; ``8 * V`` with dense draft probabilities; up to
