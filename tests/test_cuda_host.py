@@ -87,8 +87,10 @@ def test_out_tensors_checked_before_any_kernel(kernels, bad, error):
         _cuda.verify(*chain(), out={"num_accepted": bad})
     with pytest.raises(ValueError, match="out\\['probs'\\]"):
         _cuda.probs(x, out={"probs": torch.empty(3, 49)})
-    with pytest.raises(ValueError, match="out\\['workspace'\\]"):
-        _cuda.verify(*chain(), out={"workspace": torch.empty(400, dtype=torch.uint8)[::2]})
+    for ws in (torch.empty(400, dtype=torch.uint8)[::2],   # strided
+               torch.empty(400, dtype=torch.uint8)[1:]):   # off a 16-byte boundary
+        with pytest.raises(ValueError, match="out\\['workspace'\\]"):
+            _cuda.verify(*chain(), out={"workspace": ws})
     assert kernels.calls == []
 
 
@@ -265,9 +267,10 @@ def test_c_entry_checks_shapes_and_pointers(entry, change, code):
     (lambda c: (_sparse(c), _set("draft.sparse_ids", _cuda.ffi.NULL)(c)), 1),
     (lambda c: (_sparse(c), _set("workspace.", _cuda.ffi.NULL)(c)), 1),  # overrides need one
     (lambda c: (_sparse(c), _set("ws_bytes.", 8)(c)), 1),
+    (lambda c: (_sparse(c), _set("workspace.", _cuda.ffi.cast("void *", 4104))(c)), 1),
 ], ids=["no-draft", "no-out", "max-draft", "no-nodes", "method", "kind", "rows", "batch",
         "no-tokens", "dense-null", "sparse-k", "sparse-null", "no-workspace",
-        "small-workspace"])
+        "small-workspace", "misaligned-workspace"])
 def test_c_verify_checks_its_draft(change, code):
     assert c_call(change) == code
 
@@ -286,3 +289,37 @@ def test_c_call_without_a_gpu_fails_cleanly():
     assert _cuda.ffi.string(L.sf_cuda_error_string(L.sf_cuda_last_error()))
     with pytest.raises(RuntimeError, match="did not launch"):
         _cuda._raise_host(11, "specfast.sample", {})
+
+
+@pytest.mark.parametrize("array", [np.array, torch.tensor], ids=["numpy", "torch"])
+def test_host_integers_that_would_wrap_are_errors(kernels, array):
+    """int64 data narrowed to int32 on its way to the device must not wrap:
+    token 2^32 + 5 is not token 5."""
+    logits, tokens, nd = chain()
+    with pytest.raises(ValueError, match="draft_tokens has values outside"):
+        _cuda.verify(logits, array([1, 2**32 + 5, 3]), nd)
+    with pytest.raises(ValueError, match="top_k has values outside"):
+        _cuda.sample(torch.zeros(2, 50), top_k=array([2**32 + 40, 1]))
+    with pytest.raises(ValueError, match="parents has values outside"):
+        _cuda.verify(logits, tokens, nd, parents=array([-1, -1, -(2**31) - 1]))
+    with pytest.raises(ValueError, match="position has values outside"):
+        _cuda.sample(torch.zeros(2, 50), position=np.array([2**63, 1], np.uint64))
+    assert kernels.calls == []
+
+
+@pytest.mark.parametrize("kw, index", [
+    (dict(top_p=2.0), 0),
+    (dict(temperature=-1), 0),
+    (dict(temperature=np.array([1.0, 0.5, 2e30])), 2),
+    (dict(top_k=np.array([0, -3, 5])), 1),
+    (dict(min_p=torch.tensor([0.5, 0.1, 1.5])), 2),
+    (dict(top_p=np.array([0.9, np.nan, 0.9])), 1),
+], ids=["top_p", "temperature", "temperature-array", "top_k-array", "min_p-tensor", "nan"])
+def test_host_parameters_checked_at_once(kernels, kw, index):
+    """Parameters the host holds are checked before the launch, with the CPU's
+    message (device tensors are left to the kernel: no synchronisation)."""
+    with pytest.raises(ValueError, match=f"sampling parameter out of range \\(at index {index}\\)"):
+        _cuda.sample(torch.zeros(3, 50), **kw)
+    with pytest.raises(ValueError, match=f"at index {index}"):
+        _cuda.verify(*chain(), **kw)
+    assert kernels.calls == []

@@ -1176,7 +1176,9 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     if (st != SF_OK) return st;
     size_t wb, ib, rb;
     sf_cu_layout(logits, draft, method, &wb, &ib, &rb);
-    if ((wb + ib + rb) > 0 && (!workspace || workspace_bytes < (int64_t)(wb + ib + rb)))
+    /* The workspace holds uint64 overrides first: 8-byte stores, 16 to be safe. */
+    if ((wb + ib + rb) > 0 && (!workspace || ((uintptr_t)workspace & 15) ||
+                               workspace_bytes < (int64_t)(wb + ib + rb)))
         return SF_ERR_ARGUMENT;
     if (draft->batch == 0) return SF_OK;
 

@@ -11,14 +11,16 @@ calls can be captured in a CUDA graph, provided that
   parameters are Python numbers;
 - ``max_draft`` is given when ``num_draft`` is a CUDA tensor (otherwise it is
   read back with ``num_draft.max()``, a synchronisation);
-- errors are left on the device: a request that fails has ``num_accepted`` 0 and
+- errors in device data are left on the device (shapes, and parameters held on
+  the host, raise at once): a request that fails has ``num_accepted`` 0 and
   tokens -1, and its status code is in ``out["status"]`` when ``out`` is given.
   ``check=True`` (or ``SPECFAST_CUDA_CHECK=1``) synchronises and raises the
   exception the CPU backend would raise.
 
 Outputs are allocated with torch (its caching allocator is graph-safe), or taken
 from ``out``, a dict of preallocated tensors: ``tokens``, ``num_accepted``,
-``accepted_nodes``, ``status`` and ``workspace``.
+``accepted_nodes``, ``status`` and ``workspace`` (bytes, used when it is large
+enough).
 """
 
 from __future__ import annotations
@@ -82,19 +84,31 @@ def _ptr(t):
     return ffi.cast("void *", t.data_ptr()) if t is not None else ffi.NULL
 
 
+def _check_fits(lo, hi, dtype, name):
+    """Narrowing to dtype would wrap a value outside [lo, hi]: an error, as on the CPU."""
+    bits = 8 * dtype.itemsize - 1
+    if lo < -(1 << bits) or hi >= 1 << bits:
+        raise ValueError(f"{name} has values outside the {dtype} range")
+
+
 def _on_device(x, dtype, dev, name, ndim=None):
     """``x`` as a contiguous CUDA tensor of ``dtype`` on ``dev`` (a no-op when it is one)."""
     torch = _torch()
+    ints = dtype in (torch.int32, torch.int64)
     if isinstance(x, torch.Tensor):
         t = x.detach()
-        if dtype in (torch.int32, torch.int64) and t.is_floating_point() and t.numel():
+        if ints and t.is_floating_point() and t.numel():
             raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+        if ints and not t.is_cuda and t.dtype != dtype and t.numel():
+            _check_fits(int(t.min()), int(t.max()), dtype, name)  # a device one: no sync
         t = t.to(device=dev, dtype=dtype)
     else:
         a = np.asarray(x)
-        if dtype in (torch.int32, torch.int64) and a.dtype.kind not in "iu":
+        if ints and a.dtype.kind not in "iu":
             if not (a.size == 0 and a.dtype.kind == "f"):
                 raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+        if ints and a.dtype.kind in "iu" and a.dtype.itemsize >= dtype.itemsize and a.size:
+            _check_fits(int(a.min()), int(a.max()), dtype, name)
         if a.dtype.name == "bfloat16":
             a = a.astype(np.float32)
         t = torch.as_tensor(a).to(device=dev, dtype=dtype)
@@ -200,16 +214,19 @@ def _out(out, name, shape, dtype, dev):
 
 
 def _workspace(out, need, dev):
-    """``out["workspace"]`` when it is a contiguous tensor of at least ``need`` bytes
-    on ``dev``, else a new one."""
+    """``out["workspace"]``, checked to be a contiguous tensor on ``dev`` from a
+    16-byte boundary, when it holds ``need`` bytes; else a new one."""
     torch = _torch()
     ws = out.get("workspace")
-    if ws is not None:
-        if not isinstance(ws, torch.Tensor) or ws.device != dev or not ws.is_contiguous():
-            raise ValueError(f"out['workspace'] must be a contiguous tensor on {dev}")
-        if ws.numel() * ws.element_size() >= need:
-            return ws
-    return torch.empty(need, dtype=torch.uint8, device=dev)
+    if ws is None:
+        return torch.empty(need, dtype=torch.uint8, device=dev)
+    if not isinstance(ws, torch.Tensor) or ws.device != dev or not ws.is_contiguous():
+        raise ValueError(f"out['workspace'] must be a contiguous tensor on {dev}")
+    if ws.data_ptr() % 16:
+        raise ValueError("out['workspace'] must start on a 16-byte boundary")
+    if ws.numel() * ws.element_size() < need:
+        return torch.empty(need, dtype=torch.uint8, device=dev)
+    return ws
 
 
 def _stream(dev):
@@ -233,6 +250,45 @@ def _raise_host(status, what, params):
     check(status, what, -1, detail)
 
 
+def _values(v):
+    """A parameter's values as a 1-D numpy array (a device tensor is copied back)."""
+    if isinstance(v, _torch().Tensor):
+        return v.detach().reshape(-1).cpu().double().numpy()
+    return np.asarray(v).reshape(-1)
+
+
+def _param_detail(params, index):
+    shown = []
+    for k, v in params.items():
+        vv = _values(v)
+        shown.append(f"{k}={vv[0 if vv.size == 1 else index].item()!r}")
+    return f"{_PARAM_RULES}; got " + ", ".join(shown)
+
+
+_PARAM_OK = {
+    "temperature": lambda v: (v >= 0) & (v <= 1e30),  # SF_MAX_TEMPERATURE
+    "top_k": lambda v: v >= 0,
+    "top_p": lambda v: (v > 0) & (v <= 1),
+    "min_p": lambda v: (v >= 0) & (v <= 1),
+}
+
+
+def _check_host_params(what, params):
+    """Parameters held on the host are checked now, as the CPU backend does;
+    those in device tensors are checked by the kernel (no synchronisation)."""
+    from ._lib import check
+
+    first = None
+    for k, v in params.items():
+        if is_cuda(v):
+            continue
+        bad = np.flatnonzero(~_PARAM_OK[k](_values(v).astype(np.float64)))
+        if bad.size and (first is None or bad[0] < first):
+            first = int(bad[0])
+    if first is not None:
+        check(3, what, first, _param_detail(params, first))
+
+
 def _raise_device(status, what, params):
     """Synchronises, then raises for the lowest (phase, index) failed request."""
     from ._lib import check
@@ -244,14 +300,7 @@ def _raise_device(status, what, params):
     order = (s[bad] >> 8) * (1 << 40) + bad
     index = int(bad[np.argmin(order)])
     code = int(s[index] & 255)
-    detail = None
-    if code == 3:
-        shown = []
-        for k, v in params.items():
-            vv = (v.reshape(-1).cpu().numpy() if isinstance(v, _torch().Tensor)
-                  else np.asarray(v).reshape(-1))
-            shown.append(f"{k}={vv[0 if vv.size == 1 else index].item()!r}")
-        detail = f"{_PARAM_RULES}; got " + ", ".join(shown)
+    detail = _param_detail(params, index) if code == 3 else None
     # Shape errors concern the whole call on the CPU backend.
     check(code, what, -1 if code == 2 else index, detail)
 
@@ -347,6 +396,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         d.kind, d.dense = 1, _ptr(q)
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position)
+    _check_host_params("specfast.verify", pvals)
     out = dict(out or {})
     width = max_draft + 1
     o_tok = _out(out, "tokens", (batch, width), torch.int32, dev)
@@ -381,6 +431,7 @@ def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p
     rows = x.shape[0]
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position)
+    _check_host_params(what, pvals)
     out = dict(out or {})
     if name == "tokens":
         result = _out(out, name, (rows,), torch.int32, dev)
