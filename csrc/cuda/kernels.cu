@@ -1045,6 +1045,12 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
                             p->n_position};
     for (int i = 0; i < 6; i++)
         if (ptr[i] && cnt[i] != 1 && cnt[i] != batch) return SF_ERR_SHAPE;
+    /* Values given on the host are checked here, device arrays by the kernel. */
+    const float t = p->temperature_value, tp = p->top_p_value, mp = p->min_p_value;
+    if ((!p->temperature && !(t >= 0.0f && t <= SF_MAX_TEMPERATURE)) ||
+        (!p->top_k && p->top_k_value < 0) || (!p->top_p && !(tp > 0.0f && tp <= 1.0f)) ||
+        (!p->min_p && !(mp >= 0.0f && mp <= 1.0f)))
+        return SF_ERR_PARAM;
     return SF_OK;
 }
 

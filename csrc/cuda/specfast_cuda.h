@@ -23,7 +23,8 @@
  *   num_accepted 0 and tokens -1. The host reports the error of the lowest
  *   (phase, request), as the CPU backend does.
  * - The return value covers what the host can see: shapes, NULL pointers,
- *   enums, the workspace size, and SF_ERR_UNSUPPORTED when the launch fails
+ *   enums, the workspace size and its 16-byte alignment, sampling parameters
+ *   passed by value, and SF_ERR_UNSUPPORTED when the launch fails
  *   (sf_cuda_last_error() then names the CUDA error).
  */
 #ifndef SPECFAST_CUDA_H
