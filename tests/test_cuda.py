@@ -273,3 +273,50 @@ def test_dense_draft_probs_checked_as_on_cpu(case):
         parents=None if parents is None else to_torch(parents), check=True, **kw))
     assert gpu == cpu
     assert (cpu == ("error",)) == (case == "sum-off")
+
+
+def _error(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("case", ["duplicate", "duplicate-wide", "unused-with-mass", "over-one",
+                                  "sum-off", "token-first", "parent", "good"])
+def test_sparse_draft_checks_as_on_cpu(case):
+    """The draft checks spread over the block report the request and the status the
+    CPU's node-by-node checks report (token before parent before probabilities)."""
+    vocab, k = 500, 40 if case == "duplicate-wide" else 4
+    nd = np.array([2, 3, 1], np.int32)
+    n = int(nd.sum())
+    logits = np.zeros((n + 3, vocab), np.float32)
+    tokens = np.arange(n, dtype=np.int32) + 7
+    ids = np.tile(np.arange(k, dtype=np.int32) + 100, (n, 1))
+    ids[:, 0] = tokens
+    vals = np.full((n, k), 1.0 / k, np.float32)
+    parents = np.array([-1, 0, -1, 0, 0, -1], np.int32)
+    bad = 3  # request 1's second node
+    if case.startswith("duplicate"):
+        ids[bad, k - 1] = ids[bad, k // 2]
+    elif case == "unused-with-mass":
+        ids[bad, 2] = -1
+    elif case == "over-one":
+        vals[bad, 1] = 1.5
+    elif case == "sum-off":
+        vals[bad] *= 0.9
+    elif case == "token-first":  # a node with a bad token and bad probs: the token
+        vals[4, 1] = -0.1
+        vals[5, 1] = -0.1  # and request 2's probs: request 1 is reported
+        tokens[4] = vocab
+        ids[4, 0] = 0
+    elif case == "parent":
+        parents[bad] = 1
+    kw = dict(parents=parents, seed=3)
+    cpu = _error(lambda: sf.verify(logits, tokens, nd, draft_probs=sf.SparseProbs(ids, vals), **kw))
+    gpu = _error(lambda: _cuda.verify(
+        to_torch(logits), to_torch(tokens), nd, draft_probs=(to_torch(ids), to_torch(vals)),
+        parents=to_torch(parents), check=True, seed=3))
+    assert gpu == cpu
+    assert (cpu is None) == (case == "good")

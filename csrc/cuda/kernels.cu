@@ -727,25 +727,43 @@ __device__ void sf_cu_reject_sparse(sf_cu_dist &d, const sf_cu_over &ov, const s
     d.total = total;
 }
 
-/* The draft checks of verify.c's check_draft for one node: 0 or a status. */
-__device__ int sf_cu_check_node(const sf_cu_verify_args &a, int64_t node, int64_t local) {
-    const int32_t t = a.tokens[node];
-    if (t < 0 || t >= a.vocab) return SF_ERR_TOKEN;
-    if (a.parents && (a.parents[node] < -1 || a.parents[node] >= local)) return SF_ERR_PARENT;
-    if (a.kind != SF_DRAFT_SPARSE) return 0;
-    const int32_t *ids = a.sparse_ids + node * a.sparse_k;
-    const float *pr = a.sparse_probs + node * a.sparse_k;
-    double sum = 0.0;
-    for (int64_t i = 0; i < a.sparse_k; i++) {
-        if (ids[i] < -1 || ids[i] >= a.vocab || !(pr[i] >= 0.0f && pr[i] <= 1.001f) ||
-            (ids[i] == -1 && pr[i] != 0.0f))
-            return SF_ERR_DRAFT_PROBS;
-        for (int64_t z = 0; z < i && ids[i] >= 0; z++)
-            if (ids[z] == ids[i]) return SF_ERR_DRAFT_PROBS;
-        sum += pr[i];
+/* verify.c's check_draft over the nd nodes of a request: the lowest
+ * (node << 8 | status), UINT64_MAX when all pass. The lowest status of a node
+ * is the one the CPU's order of checks meets first (token, parent, probs).
+ * A sparse node's entries are spread over the block, each thread looking
+ * for its entry's id among the entries before it: k^2 / 2 compares per node
+ * on 256 threads, not on one. All threads call it. */
+__device__ uint64_t sf_cu_check_draft(const sf_cu_verify_args &a, int64_t node0, int32_t nd) {
+    const int64_t k = a.sparse_k;
+    uint64_t worst = UINT64_MAX;
+    for (int64_t i = threadIdx.x; i < nd; i += SF_CU_THREADS) {
+        const int64_t node = node0 + i;
+        const int32_t t = a.tokens[node];
+        int code = 0;
+        if (t < 0 || t >= a.vocab) {
+            code = SF_ERR_TOKEN;
+        } else if (a.parents && (a.parents[node] < -1 || a.parents[node] >= i)) {
+            code = SF_ERR_PARENT;
+        } else if (a.kind == SF_DRAFT_SPARSE) {
+            double sum = 0.0; /* in order, as the CPU sums */
+            for (int64_t e = 0; e < k; e++) sum += a.sparse_probs[node * k + e];
+            if (!(fabs(sum - 1.0) <= 1e-3)) code = SF_ERR_DRAFT_PROBS;
+        }
+        if (code) worst = min(worst, (uint64_t)i << 8 | (uint64_t)code);
     }
-    if (!(fabs(sum - 1.0) <= 1e-3)) return SF_ERR_DRAFT_PROBS;
-    return 0;
+    if (a.kind == SF_DRAFT_SPARSE) {
+        for (int64_t e = threadIdx.x; e < (int64_t)nd * k; e += SF_CU_THREADS) {
+            const int64_t i = e / k, j = e % k;
+            const int32_t *ids = a.sparse_ids + (node0 + i) * k;
+            const int32_t id = ids[j];
+            const float pr = a.sparse_probs[(node0 + i) * k + j];
+            bool bad = id < -1 || id >= a.vocab || !(pr >= 0.0f && pr <= 1.001f) ||
+                       (id == -1 && pr != 0.0f);
+            for (int64_t z = 0; z < j && id >= 0 && !bad; z++) bad = ids[z] == id;
+            if (bad) worst = min(worst, (uint64_t)i << 8 | (uint64_t)SF_ERR_DRAFT_PROBS);
+        }
+    }
+    return sf_cu_block_min64(worst);
 }
 
 __device__ float sf_cu_draft_prob(const sf_cu_verify_args &a, int64_t node, int32_t x) {
@@ -817,12 +835,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                node0 + nd > a.n || (b == a.batch - 1 && node0 + nd != a.n)) {
         err = SF_STATUS(SF_ERR_SHAPE, SF_PHASE_DRAFT);
     } else {
-        uint64_t worst = UINT64_MAX;
-        for (int64_t i = threadIdx.x; i < nd; i += SF_CU_THREADS) {
-            int code = sf_cu_check_node(a, node0 + i, i);
-            if (code) worst = min(worst, (uint64_t)i << 8 | (uint64_t)code);
-        }
-        worst = sf_cu_block_min64(worst);
+        const uint64_t worst = sf_cu_check_draft(a, node0, nd);
         if (worst != UINT64_MAX) err = SF_STATUS((int)(worst & 255), SF_PHASE_DRAFT);
     }
     if (err) {
