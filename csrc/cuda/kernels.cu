@@ -26,6 +26,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include <mutex>
+
 #include "block.cuh"
 #include "specfast_cuda.h"
 
@@ -1068,14 +1070,17 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
 }
 
 /* Static and dynamic shared memory together beyond 48 KB must be asked for,
- * per device; each grant is remembered (a race only repeats the same call). */
+ * per device; each grant is remembered, under a lock (host threads may call
+ * at once). */
 static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
     enum { DEVICES = 16, KERNELS = 8 };
     static const void *kernels[DEVICES][KERNELS];
     static size_t granted[DEVICES][KERNELS];
+    static std::mutex lock;
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
+    const std::lock_guard<std::mutex> hold(lock);
     const bool cache = dev >= 0 && dev < DEVICES;
     int k = 0;
     if (cache) {
