@@ -15,7 +15,9 @@ calls can be captured in a CUDA graph, provided that
   the host, raise at once): a request that fails has ``num_accepted`` 0 and
   tokens -1, and its status code is in ``out["status"]`` when ``out`` is given.
   ``check=True`` (or ``SPECFAST_CUDA_CHECK=1``) synchronises and raises the
-  exception the CPU backend would raise.
+  exception the CPU backend would raise. Values in device tensors are not read on
+  the host: a seed tensor of negative values is used as its 64 bits (the CPU
+  raises), and an int64 tensor narrowed to int32 (draft tokens, parents) wraps.
 
 Outputs are allocated with torch (its caching allocator is graph-safe), or taken
 from ``out``, a dict of preallocated tensors: ``tokens``, ``num_accepted``,
