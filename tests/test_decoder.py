@@ -304,6 +304,34 @@ def test_prompts_forms(target):
         SpeculativeDecoder(target, NgramDrafter(), k=-1)
 
 
+@pytest.mark.parametrize("kw, error", [
+    (dict(seed=-1), ValueError), (dict(seed=2**64), ValueError), (dict(seed=1.7), TypeError),
+    (dict(max_new_tokens=2.5), TypeError), (dict(max_new_tokens=-1), ValueError),
+    (dict(temperature=-0.5), ValueError), (dict(top_p=0.0), ValueError),
+    (dict(temperature=10**400), ValueError), (dict(prompt=[1, 2, 48]), ValueError),
+    (dict(prompt=[-1, 2]), ValueError),
+], ids=["seed-negative", "seed-big", "seed-float", "max-float", "max-negative",
+        "temperature", "top_p", "temperature-huge", "prompt-id", "prompt-negative"])
+def test_generate_rejects_bad_arguments_up_front(target, kw, error):
+    """Checked before any forward, with the library's own rules (no OverflowError
+    from a seed, no IndexError from the embedding, no silent int())."""
+    dec = SpeculativeDecoder(target, NgramDrafter())
+    kw = {"prompt": [1, 2, 3], "max_new_tokens": 2, "temperature": 1.0, **kw}
+    with pytest.raises(error):
+        dec.generate(kw.pop("prompt"), **kw)
+
+
+def test_draft_length_arguments():
+    with pytest.raises(ValueError):
+        DraftLength(fixed=-1)
+    with pytest.raises(ValueError):
+        SpeculativeDecoder(tiny_model(), NgramDrafter(), k=True)
+    dl = DraftLength()  # a step faster than the clock: no ZeroDivisionError
+    dl.start(1)
+    dl.observe_target(1, 0.0)
+    assert 0 <= dl.choose(0, 5) <= 5
+
+
 def test_draft_length_counts_a_round_trip_once_per_step():
     """Drafting costs a fixed round trip plus a time per token, each fitted from
     measurements: a round trip is paid once per step (so it never favours

@@ -473,3 +473,26 @@ def test_library_survives_errors():
             sf.verify(**bad, seed=5)
     b = sf.verify(**kw, seed=5)
     np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: sf.probs(base_rows(), temperature=10**400), "temperature.*too large"),
+    (lambda: sf.sample(base_rows(), top_p=10**400), "top_p.*too large"),
+    (lambda: sf.set_num_threads(2**31), "set_num_threads"),
+    (lambda: sf.SparseProbs([[5]], [[1.0]]).dense(3), "ids must be in"),
+    (lambda: sf.SparseProbs([[5, 5]], [[0.5, 0.5]]).dense(9), "repeats"),
+], ids=["huge-int-temperature", "huge-int-top_p", "threads", "dense-id", "dense-duplicate"])
+def test_out_of_range_numbers_are_value_errors(call, match):
+    """Numbers no C type holds are ValueErrors, not OverflowError or IndexError."""
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_long_double_and_big_endian_are_taken():
+    """np.longdouble parameters and non-native byte orders mean what they say."""
+    x = base_rows()
+    ref = sf.sample(x, temperature=0.5, seed=5)
+    np.testing.assert_array_equal(sf.sample(x, temperature=np.longdouble(0.5), seed=np.longdouble(5)), ref)
+    np.testing.assert_array_equal(sf.sample(x.astype(">f4"), temperature=0.5, seed=5), ref)
+    np.testing.assert_array_equal(sf.probs(x.astype(">f2")), sf.probs(x.astype(np.float16)))
+    assert sf.sample(np.zeros((0, V), np.float32), top_k=np.array([], np.int32)).shape == (0,)

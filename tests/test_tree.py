@@ -148,3 +148,45 @@ def test_verify_then_compact_keeps_the_accepted_path():
     specfast.kv_compact(cache, r.accepted_nodes, r.num_accepted, 2, seq_axis=2)
     assert cache[0, 0, 3, 0] == 4 and cache[0, 0, 4, 0] == 6  # nodes 1, 3 moved up
     assert [list(s) for s in specfast.kv_keep_slots(r.accepted_nodes, r.num_accepted, 2)] == [[2, 4, 6]]
+
+
+@pytest.mark.parametrize("root", [2**63 - 2, 2**63, 2**70, -1])
+def test_kv_compact_root_slot_out_of_range(root):
+    """A root slot near 2^63 made root + 1 + node wrap negative, past the bounds
+    check: memmove wrote before the cache (heap corruption)."""
+    cache = np.zeros((1, 10, 4), np.float32)
+    with pytest.raises(ValueError):
+        specfast.kv_compact(cache, np.array([[1]]), np.array([1]), root)
+    with pytest.raises(ValueError):
+        specfast.kv_keep_slots(np.array([[1]]), np.array([1]), root)
+
+
+@pytest.mark.parametrize("call, error", [
+    # moving PyObject pointers without their reference counts crashed later
+    (lambda: specfast.kv_compact(np.empty((1, 6, 1), object), [[1, 3]], [2], 0), TypeError),
+    (lambda: specfast.kv_compact(np.array(1.0), np.zeros((0, 0), int), np.zeros(0, int), 0),
+     ValueError),
+    (lambda: specfast.kv_compact(np.zeros((2, 3, 10, 4)), [[1, 3], [0, -1]], [2, 1], 2,
+                                 batch_axis=4), ValueError),
+    (lambda: specfast.kv_keep_slots([[1, 3], [0, -1]], [5, 2], [2, 4]), ValueError),
+    (lambda: specfast.kv_keep_slots([[1, 3], [0, -1]], [2, 2], [2, 4]), ValueError),
+    (lambda: specfast.kv_keep_slots(np.array([[1, 3]]), np.array([2, 1]), [2, 4]), ValueError),
+    (lambda: specfast.tree_mask(None, [2**31 - 1]), ValueError),  # before allocating 4 EiB
+], ids=["object-cache", "0-d-cache", "axis", "accepted-past-width", "accepted-padding",
+        "batch", "huge-tree"])
+def test_tree_helpers_reject_bad_input(call, error):
+    with pytest.raises(error):
+        call()
+
+
+def test_kv_compact_edge_layouts():
+    """An empty cache is a no-op (its paths still checked); a tensor that requires
+    grad is compacted in place."""
+    empty = np.zeros((2, 3, 0, 4), np.float32)
+    assert specfast.kv_compact(empty, np.zeros((2, 0), int), np.zeros(2, int), 0) is empty
+    with pytest.raises(ValueError):
+        specfast.kv_compact(empty, np.ones((2, 1), int), np.ones(2, int), 0)
+    torch = pytest.importorskip("torch")
+    cache = torch.arange(2 * 10.0).reshape(2, 10, 1).requires_grad_()
+    specfast.kv_compact(cache, [[1, 3], [0, -1]], [2, 1], [2, 4], seq_axis=1)
+    assert cache[0, :6, 0].tolist() == [0, 1, 2, 4, 6, 5]

@@ -63,10 +63,12 @@ SF_API sf_status sf_kv_compact(const sf_kv_cache *c, const int32_t *nodes,
     for (int64_t b = 0; b < c->batch; b++) {
         const int32_t n = num_accepted[b];
         const int32_t *path = nodes + b * max_draft;
-        int bad = n < 0 || n > max_draft || root_slot[b] < 0;
+        int bad = n < 0 || n > max_draft || root_slot[b] < 0 ||
+                  (n > 0 && root_slot[b] >= c->seq_len);
+        /* root_slot + 1 + path < seq_len, written so that nothing overflows */
         for (int32_t k = 0; k < n && !bad; k++)
             bad = path[k] < k || (k > 0 && path[k] <= path[k - 1]) ||
-                  root_slot[b] + 1 + path[k] >= c->seq_len;
+                  path[k] >= c->seq_len - 1 - root_slot[b];
         if (bad) {
             if (err) err->index = b;
             return SF_ERR_SHAPE;

@@ -33,11 +33,11 @@ class SparseProbs:
     >>> q = specfast.SparseProbs(np.array([[5, 9]]), np.array([[0.75, 0.25]]))
     """
 
-    __slots__ = ("indices", "values", "_torch")
+    __slots__ = ("_indices", "_values", "_torch")
 
     def __init__(self, indices, values):
         if _is_torch(indices) and indices.is_cuda:  # kept on the device for the CUDA backend
-            self._torch, self.indices, self.values = True, indices, values
+            self._torch, self._indices, self._values = True, indices, values
             return
         self._torch = _is_torch(indices) or _is_torch(values)
         idx = _int_array(indices, "SparseProbs indices", ndim=2)
@@ -48,15 +48,25 @@ class SparseProbs:
             )
         if idx.shape[1] < 1:
             raise ValueError("SparseProbs: K (the second dimension) must be at least 1")
-        self.indices = idx
-        self.values = val
+        self._indices = idx
+        self._values = val
+
+    # Read-only: they were checked (and converted) together.
+    indices = property(lambda self: self._indices, doc="``(N, K)`` int32 token ids")
+    values = property(lambda self: self._values, doc="``(N, K)`` float32 probabilities")
 
     def __repr__(self) -> str:
         return f"SparseProbs(N={self.indices.shape[0]}, K={self.indices.shape[1]})"
 
     def dense(self, vocab: int) -> np.ndarray:
         """The same distributions as ``(N, vocab)`` float32 rows (CPU arrays)."""
+        vocab = operator.index(vocab)
         idx, val = np.asarray(self.indices), np.asarray(self.values, np.float32)
+        if vocab < 1 or (idx.size and (idx.min() < -1 or idx.max() >= vocab)):
+            raise ValueError(f"SparseProbs.dense: ids must be in [-1, {vocab}) and vocab >= 1")
+        s = np.sort(idx, axis=1)
+        if np.any((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)):
+            raise ValueError("SparseProbs.dense: a row repeats a token id")
         q = np.zeros((idx.shape[0], vocab), np.float32)
         rows, cols = np.nonzero(idx >= 0)
         q[rows, idx[rows, cols]] = val[rows, cols]
@@ -146,6 +156,8 @@ def _logits(x, name="target_logits"):
         a = np.asarray(x)
         code = None
     if code is None:
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
         code = _LOGIT_DTYPES.get(a.dtype)
         if code is None:
             if a.dtype.name == "bfloat16":  # ml_dtypes
@@ -194,7 +206,9 @@ def _scalar(value, name, integer):
     if isinstance(value, np.generic):
         if value.dtype.kind not in "iuf":
             raise TypeError(f"{name} must be numeric, got {value!r}")
-        return _scalar(value.item(), name, integer)
+        v = value.item()
+        # A longdouble's item() is itself: no Python type holds it.
+        return _scalar(float(v) if isinstance(v, np.generic) else v, name, integer)
     return None
 
 
@@ -282,13 +296,17 @@ def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
         # Every parameter a plain number: the common case, in this thread's frame.
         f = _frame
         floats, ints = f.floats, f.ints
-        floats[0] = temperature
-        floats[1] = top_p
-        floats[2] = min_p
-        ints[0] = top_k
-        ints[2] = position
-        f.seeds[0] = seed
-        return f.params
+        try:
+            floats[0] = temperature
+            floats[1] = top_p
+            floats[2] = min_p
+        except OverflowError:  # an int beyond any float: the path below says which
+            pass
+        else:
+            ints[0] = top_k
+            ints[2] = position
+            f.seeds[0] = seed
+            return f.params
     floats = ffi.new(_T_F3)
     ints = ffi.new(_T_I3)  # top_k (as int32), seed, position
     keep += [floats, ints]
@@ -313,10 +331,17 @@ def _exact_array(v, dtype, batch) -> bool:
             and v.shape[0] in (1, batch) and v.flags.c_contiguous)
 
 
+def _as_float(v, name):
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"{name} is out of range: too large for a float") from None
+
+
 def _float_param(v, name, buf, i, batch, keep):
     """(pointer, count) of a float parameter: a number goes into buf[i]."""
     if type(v) in _PLAIN:
-        buf[i] = v
+        buf[i] = _as_float(v, name)
         return buf + i, 1
     if _exact_array(v, _CTYPES[name][1], batch):
         keep.append(v)
@@ -324,14 +349,14 @@ def _float_param(v, name, buf, i, batch, keep):
     x = _scalar(v, name, False)
     if x is None:
         return _array_param(v, name, batch, keep)
-    buf[i] = x
+    buf[i] = _as_float(x, name)
     return buf + i, 1
 
 
 def _int_param(v, name, slot, batch, keep):
     """(pointer, count) of an integer parameter: a number goes into *slot."""
     ctype, dtype = _CTYPES[name]
-    if _exact_array(v, dtype, batch) and (name != "top_k" or v.min() >= 0):
+    if _exact_array(v, dtype, batch) and (name != "top_k" or not v.size or v.min() >= 0):
         keep.append(v)
         return _ptr(ctype + " *", v), v.shape[0]
     x = _scalar(v, name, True)
@@ -604,8 +629,8 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 def set_num_threads(n: int) -> None:
     """Sets the threads of the pool: n >= 1, or 0 for one per core."""
     n = operator.index(n)
-    if n < 0:
-        raise ValueError(f"set_num_threads: n must be >= 0, got {n}")
+    if not 0 <= n < 1 << 31:
+        raise ValueError(f"set_num_threads: n must be in [0, 2^31), got {n}")
     check(lib().sf_set_num_threads(n), "specfast.set_num_threads", -1)
 
 

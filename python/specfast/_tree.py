@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
-from ._api import _int_array, _is_torch, _ptr, _torch
+from ._api import _MAX_DRAFT, _int_array, _is_torch, _ptr, _torch
 from ._lib import check, ffi, lib
 
 
@@ -47,8 +49,8 @@ def tree_mask(parents, num_draft=None, *, packed=False):
     else:
         nd = _int_array(num_draft, "num_draft", 1)
     counts = nd.tolist()
-    if min(counts, default=0) < 0:
-        raise ValueError("num_draft must be >= 0")
+    if min(counts, default=0) < 0 or max(counts, default=0) > _MAX_DRAFT:
+        raise ValueError(f"num_draft must be in [0, {_MAX_DRAFT}]")
     if par is not None and sum(counts) != par.shape[0]:
         raise ValueError(f"sum(num_draft) = {sum(counts)} but parents has {par.shape[0]} entries")
     batch, width = len(counts), max(counts, default=0) + 1
@@ -69,6 +71,35 @@ def tree_mask(parents, num_draft=None, *, packed=False):
     if single:
         return mask[0], positions[0]
     return mask, positions
+
+
+def _slots(root_slot, batch):
+    """root_slot as (batch,) int64: one int or one per request."""
+    r = np.asarray(root_slot)
+    if r.dtype.kind == "O" and all(type(v) is int for v in r.flat):
+        raise ValueError("root_slot must be in [0, 2^62)")  # ints numpy cannot hold
+    if r.dtype.kind not in "iu":
+        raise TypeError(f"root_slot must hold integers, got {root_slot!r}")
+    if r.ndim > 1 or (r.ndim == 1 and r.shape[0] != batch):
+        raise ValueError(f"root_slot must be an int or have one per request ({batch})")
+    if r.size and (r.min() < 0 or r.max() >= 1 << 62):
+        raise ValueError("root_slot must be in [0, 2^62)")
+    return np.broadcast_to(r.astype(np.int64), (batch,)).copy()
+
+
+def _axes(ndim, batch_axis, seq_axis):
+    """The batch and sequence axes as indices in [0, ndim), batch first."""
+    if ndim < 2:
+        raise ValueError("kv_compact: the cache needs a batch and a sequence axis")
+    axes = []
+    for name, axis in (("batch_axis", batch_axis), ("seq_axis", seq_axis)):
+        axis = operator.index(axis)
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"kv_compact: {name}={axis} is not an axis of a {ndim}-D cache")
+        axes.append(axis % ndim)
+    if not axes[0] < axes[1]:
+        raise ValueError("kv_compact: the batch axis must come before the sequence axis")
+    return axes
 
 
 def _merge(shape, strides, axes, name):
@@ -115,24 +146,28 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     batch = acc.shape[0]
     if nodes.shape[0] != batch:
         raise ValueError("accepted_nodes and num_accepted disagree on the batch size")
-    roots = np.broadcast_to(np.asarray(root_slot, np.int64), (batch,)).copy()
+    roots = _slots(root_slot, batch)
     if _is_torch(cache):
         if cache.device.type != "cpu":
-            return _kv_compact_torch(cache, nodes, acc, roots, batch_axis, seq_axis)
-        if cache.dtype == _torch().bfloat16:
-            arr = cache.view(_torch().int16).numpy()
-        else:
-            arr = cache.numpy()
+            ba, sa = _axes(cache.dim(), batch_axis, seq_axis)
+            return _kv_compact_torch(cache, nodes, acc, roots, ba, sa)
+        t = cache.detach()  # the same memory: moved in place, outside autograd
+        arr = t.view(_torch().int16).numpy() if t.dtype == _torch().bfloat16 else t.numpy()
     else:
         arr = cache
     if not isinstance(arr, np.ndarray):
         raise TypeError("kv_compact: cache must be a numpy array or a torch tensor")
+    if arr.dtype.hasobject:
+        raise TypeError("kv_compact: the cache must hold numbers, not Python objects")
+    ba, sa = _axes(arr.ndim, batch_axis, seq_axis)
     nd = arr.ndim
-    ba, sa = batch_axis % nd, seq_axis % nd
-    if not ba < sa:
-        raise ValueError("kv_compact: the batch axis must come before the sequence axis")
     if arr.shape[ba] != batch:
         raise ValueError(f"kv_compact: cache batch {arr.shape[ba]} != {batch} requests")
+    if arr.size == 0:
+        # Nothing to move (numpy gives empty arrays any strides); a stand-in with
+        # the same axes up to the sequence still has the paths checked against it.
+        arr = np.empty(arr.shape[:sa + 1] + (1,), np.uint8)
+        nd = arr.ndim
     tail = list(range(sa + 1, nd))
     row_count, row_stride = _merge(arr.shape, arr.strides, tail, "trailing")
     if row_count > 1 and row_stride != arr.itemsize:
@@ -157,8 +192,8 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     return cache
 
 
-def _kv_compact_torch(cache, nodes, acc, roots, batch_axis, seq_axis):
-    """The same move for tensors on another device, with torch indexing."""
+def _kv_compact_torch(cache, nodes, acc, roots, ba, sa):
+    """The same move for tensors on another device, with torch indexing (ba < sa)."""
     torch = _torch()
     for b in range(acc.shape[0]):
         n = int(acc[b])
@@ -169,10 +204,10 @@ def _kv_compact_torch(cache, nodes, acc, roots, batch_axis, seq_axis):
             raise ValueError("kv_compact: accepted nodes must increase along the path")
         src = torch.as_tensor(roots[b] + 1 + path, device=cache.device)
         dst = torch.as_tensor(roots[b] + 1 + np.arange(n), device=cache.device)
-        view = cache.select(batch_axis % cache.dim(), b)
-        sa = seq_axis % cache.dim()
-        sa = sa - 1 if sa > batch_axis % cache.dim() else sa
-        view.index_copy_(sa, dst, view.index_select(sa, src))
+        if path[-1] >= cache.shape[sa] - 1 - roots[b]:
+            raise ValueError("kv_compact: accepted nodes must stay inside the cache")
+        view = cache.select(ba, b)  # the sequence axis is now sa - 1
+        view.index_copy_(sa - 1, dst, view.index_select(sa - 1, src))
     return cache
 
 
@@ -182,8 +217,17 @@ def kv_keep_slots(accepted_nodes, num_accepted, root_slot):
     Returns a list of int64 arrays: ``[root, root + 1 + node_0, ...]``, for
     servers that gather instead of compacting in place.
     """
-    nodes = np.asarray(accepted_nodes)
-    acc = np.asarray(num_accepted)
-    roots = np.broadcast_to(np.asarray(root_slot, np.int64), acc.shape)
-    return [np.concatenate([[r], r + 1 + nodes[b, : int(acc[b])].astype(np.int64)])
-            for b, r in enumerate(roots)]
+    nodes = _int_array(accepted_nodes, "accepted_nodes", 2)
+    acc = _int_array(num_accepted, "num_accepted", 1)
+    if nodes.shape[0] != acc.shape[0]:
+        raise ValueError("accepted_nodes and num_accepted disagree on the batch size")
+    if acc.size and (acc.min() < 0 or acc.max() > nodes.shape[1]):
+        raise ValueError(f"num_accepted must be in [0, {nodes.shape[1]}] (accepted_nodes' width)")
+    roots = _slots(root_slot, acc.shape[0])
+    slots = []
+    for b, r in enumerate(roots):
+        path = nodes[b, : acc[b]].astype(np.int64)
+        if path.size and path.min() < 0:
+            raise ValueError(f"accepted_nodes[{b}] holds -1 among its first {acc[b]} entries")
+        slots.append(np.concatenate([[r], r + 1 + path]))
+    return slots

@@ -14,6 +14,7 @@ Every step, for the whole batch of live requests:
 
 from __future__ import annotations
 
+import operator
 import resource
 import sys
 import time
@@ -193,6 +194,9 @@ class DraftLength:
                  prior_next: float = 0.85, prior_weight: float = 2.0, decay: float = 0.9,
                  window: int = 24, probe_every: int = 4, probe_max: int = 32, probe_k: int = 1,
                  prior_slope: float = 0.02, margin: float = 1.1):
+        for name, v in (("fixed", fixed), ("max_k", max_k)):
+            if v is not None and (operator.index(v) < 0):
+                raise ValueError(f"DraftLength: {name} must be >= 0, got {v}")
         self.fixed, self.max_k = fixed, max_k
         self.prior_first, self.prior_next = prior_first, prior_next
         self.prior_weight, self.decay = prior_weight, decay
@@ -326,7 +330,8 @@ class DraftLength:
 
     def expected_rate(self, p0: float, q: float, k: int) -> float:
         """Tokens per second when drafting k with acceptance (p0, q)."""
-        return self.expected_tokens(p0, q, k) / self.step_seconds(k)
+        # A clock too coarse to see a step still ranks k by tokens per step.
+        return self.expected_tokens(p0, q, k) / max(self.step_seconds(k), 1e-9)
 
     def choose(self, i: int, limit: int, match=None, available: int | None = None) -> int:
         """Draft length for request i: at most ``limit`` (tokens left) and
@@ -450,7 +455,7 @@ class SpeculativeDecoder:
                              f"with branches=1")
         if drafter is None:
             k = 0
-        if k != "auto" and (not isinstance(k, int) or k < 0):
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"k must be 'auto' or an int >= 0, got {k!r}")
         if max_k is None:
             max_k = 32 if getattr(drafter, "cheap", False) else 10
@@ -487,10 +492,11 @@ class SpeculativeDecoder:
         seeds = list(seed) if isinstance(seed, (list, tuple, np.ndarray)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        _api._method(method)
-        sampling = [Sampling(float(temperature), int(top_k), float(top_p), float(min_p),
-                             int(s), method) for s in seeds]
-        results = self._run(prompts, sampling, int(max_new_tokens), stream, list(stop or []), eos)
+        max_new = operator.index(max_new_tokens)
+        if max_new < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+        sampling = [_sampling(temperature, top_k, top_p, min_p, s, method) for s in seeds]
+        results = self._run(prompts, sampling, max_new, stream, list(stop or []), eos)
         return results[0] if single else results
 
     def memory_report(self, batch: int | None = None, context: int | None = None) -> dict:
@@ -528,6 +534,8 @@ class SpeculativeDecoder:
         contexts = [target.encode(p) for p in prompts]
         if any(not c for c in contexts):
             raise ValueError("empty prompt")
+        if any(min(c) < 0 or max(c) >= target.vocab_size for c in contexts):
+            raise ValueError(f"prompt token ids must be in [0, {target.vocab_size})")
         n_prompt = [len(c) for c in contexts]
         eos_ids = set(target.eos_token_ids) if eos else set()
         metrics = [Metrics(prompt_tokens=n) for n in n_prompt]
@@ -766,6 +774,24 @@ def _draft_probs(drafts, vocab):
             q = np.asarray(d.probs, np.float32)
         out.append(q)
     return np.concatenate(out)
+
+
+def _sampling(temperature, top_k, top_p, min_p, seed, method) -> Sampling:
+    """One request's Sampling, its numbers checked as :func:`specfast.sample` checks them."""
+    _api._method(method)
+    t, p, m = (_api._scalar(v, name, False) for v, name in
+               ((temperature, "temperature"), (top_p, "top_p"), (min_p, "min_p")))
+    k, s = _api._scalar(top_k, "top_k", True), _api._scalar(seed, "seed", True)
+    if None in (t, p, m, k, s):
+        raise TypeError("generate: sampling parameters must be numbers (seed: one per prompt)")
+    t, p, m = (_api._as_float(v, name) for v, name in
+               ((t, "temperature"), (p, "top_p"), (m, "min_p")))
+    if not (0 <= t <= 1e30 and 0 < p <= 1 and 0 <= m <= 1 and 0 <= k < 1 << 31):
+        raise ValueError(f"generate: {_api._PARAM_RULES}; got temperature={t}, top_k={k}, "
+                         f"top_p={p}, min_p={m}")
+    if not 0 <= s < 1 << 64:
+        raise ValueError(f"generate: seed={s} is out of range [0, 2^64)")
+    return Sampling(t, k, p, m, s, method)
 
 
 def _as_batch(prompt):
