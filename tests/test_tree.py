@@ -112,7 +112,6 @@ def test_kv_compact_matches_gather(layout, dtype):
 
 def test_kv_compact_torch_bfloat16_in_place():
     torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(3)
     cache = torch.randn(2, 4, 12, 6, dtype=torch.bfloat16)
     before = cache.view(torch.int16).numpy().copy()
     nodes = np.array([[0, 2, 5], [1, -1, -1]], np.int32)
