@@ -156,6 +156,10 @@ static void run_kv(reader *r) {
         if (bad == 0xFF && na > 1) { nodes[b * max_draft + 1] = nodes[b * max_draft]; valid = 0; }
         if (bad == 0xFE) { root[b] = -1 - (bad & 1); valid = 0; }
         if (bad == 0xFD) { nacc[b] = (int32_t)max_draft + 1; valid = 0; }
+        if (bad == 0xFC) { /* root + 1 + node wraps past INT64_MAX */
+            root[b] = INT64_MAX - u8(r) % 4;
+            if (na) valid = 0;
+        }
     }
     sf_kv_cache c = {data, n_outer, outer_stride, batch, batch_stride, n_inner, inner_stride,
                      seq, seq_stride, row_bytes};

@@ -166,6 +166,27 @@ def test_stream_and_stop(target):
     assert s.finish_reason == "stop" and stop not in s.text
 
 
+@pytest.mark.parametrize("at", [1, 3, 6])
+def test_stop_strings_end_where_plain_decoding_ends(target, at):
+    """A stop string ends the output at the token that completes it, whatever
+    the drafts, and the stream never repeats or takes back text: one run that
+    accepted several tokens at once used to keep the tokens past the stop, and a
+    stop string split across steps re-sent the whole text."""
+    plain = SpeculativeDecoder(target).generate(PROMPTS[0], 24)
+    # without a tokenizer text is ids joined by spaces: a stop across two tokens
+    stop = " ".join(map(str, plain.tokens[at:at + 2]))
+    runs = []
+    for dec in (SpeculativeDecoder(target), SpeculativeDecoder(target, NgramDrafter(), k=8)):
+        chunks = []
+        g = dec.generate(PROMPTS[0], 24, stop=[stop],
+                         stream=lambda i, toks, text: chunks.append((toks, text)))
+        assert g.finish_reason == "stop" and g.text == plain.text[:plain.text.find(stop)]
+        assert [t for toks, _ in chunks for t in toks] == g.tokens
+        assert "".join(text for _, text in chunks) == g.text
+        runs.append(g.tokens)
+    assert runs[0] == runs[1] == plain.tokens[:at + 2]
+
+
 def test_metrics_add_up(target):
     dec = SpeculativeDecoder(target, NgramDrafter(), k=4)
     g = dec.generate(PROMPTS[0], 30)

@@ -697,33 +697,52 @@ class SpeculativeDecoder:
             position=np.array(positions, np.int64), method=sampling[0].method)
 
     def _emit(self, i, new, gen, texts, finish, max_new, eos_ids, stop, want_text, stream):
-        """Appends request i's new tokens; True when it is finished."""
-        out, done = [], False
+        """Appends request i's new tokens one at a time, as plain decoding meets
+        them (so a stop string ends the run at the token that completes it);
+        True when the request is finished. While it runs, texts[i] is the text
+        streamed so far: none that a later token could take back (the start of
+        a stop string, a partial character)."""
+        out, done, text = [], False, None
         for t in new:
-            if len(gen[i]) + len(out) >= max_new:
+            if len(gen[i]) >= max_new:
                 done = True
                 break
             if t in eos_ids:
                 finish[i], done = "eos", True
                 break
+            gen[i].append(t)
             out.append(t)
-        gen[i].extend(out)
-        if len(gen[i]) >= max_new:
-            done = True
-        delta = ""
-        if want_text:
-            text = self.target.decode(gen[i])
             if stop:
+                text = self.target.decode(gen[i])
                 cut = min((p for p in (text.find(s) for s in stop) if p >= 0), default=-1)
                 if cut >= 0:
                     text, done, finish[i] = text[:cut], True, "stop"
-            if not done and text.endswith("\ufffd"):
-                text = texts[i]  # an incomplete character: wait for its next byte
-            delta = text[len(texts[i]):] if text.startswith(texts[i]) else text
-            texts[i] = text
+                    break
+        done = done or len(gen[i]) >= max_new
+        delta = ""
+        if want_text:
+            if text is None:
+                text = self.target.decode(gen[i])
+            if not done:
+                text = _settled(text, stop)
+            # Only what follows the streamed text goes out: a decoder that
+            # rewrote earlier characters cannot take back what was sent.
+            delta = text[len(texts[i]):]
+            texts[i] = text if done else texts[i] + delta
         if stream is not None and (out or delta):
             stream(i, out, delta)
         return done
+
+
+def _settled(text: str, stop) -> str:
+    """text without its end that may still change: a partial character, or the
+    start of a stop string."""
+    base = text.rstrip("\ufffd")
+    keep = len(base)
+    for s in stop:
+        n = next((n for n in range(min(len(s) - 1, len(base)), 0, -1) if base.endswith(s[:n])), 0)
+        keep = min(keep, len(base) - n)
+    return text[:keep]
 
 
 def _depth(d: Draft) -> int:
