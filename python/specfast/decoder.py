@@ -527,7 +527,15 @@ class SpeculativeDecoder:
         return {"batch": batch, "context": context, "measured": measured, "estimate": estimate}
 
     # -- the loop -----------------------------------------------------------
-    def _run(self, prompts, sampling, max_new, stream, stop, eos):
+    def _run(self, *args):
+        try:
+            return self._loop(*args)
+        finally:  # a remote drafter's session ends with the generation
+            finish = getattr(self.drafter, "finish", None)
+            if finish is not None:
+                finish()
+
+    def _loop(self, prompts, sampling, max_new, stream, stop, eos):
         target, drafter, ctl = self.target, self.drafter, self.controller
         t_start = time.perf_counter()
         batch = len(prompts)
@@ -577,7 +585,7 @@ class SpeculativeDecoder:
                 if drafter is not None and any(ks):
                     drafts = drafter.propose([contexts[i] for i in live], ks,
                                              [sampling[i] for i in live])
-            drafts = [d.head(k) for d, k in zip(drafts, ks)]
+            drafts = _checked(drafts, ks, target, drafter)
             step_ks[max(ks)] = step_ks.get(max(ks), 0) + 1
             t_draft = time.perf_counter() - t0
             if not cheap:
@@ -743,6 +751,26 @@ def _settled(text: str, stop) -> str:
         n = next((n for n in range(min(len(s) - 1, len(base)), 0, -1) if base.endswith(s[:n])), 0)
         keep = min(keep, len(base) - n)
     return text[:keep]
+
+
+def _checked(drafts, ks, target, drafter) -> list:
+    """The drafts cut to ``ks``, checked before the target sees them (a drafter
+    is user code): one per request, token ids in the vocabulary; trees become
+    chains for a target that verifies chains only (a remote drafter may send
+    trees)."""
+    if len(drafts) != len(ks):
+        raise ValueError(f"{getattr(drafter, 'name', 'the drafter')} returned {len(drafts)} "
+                         f"drafts for {len(ks)} requests")
+    trees = hasattr(target, "keep_paths")
+    out = []
+    for d, k in zip(drafts, ks):
+        d = d.head(k) if trees or d.parents is None else d.chain().head(k)
+        tokens = [int(t) for t in d.tokens]
+        if tokens and (min(tokens) < 0 or max(tokens) >= target.vocab_size):
+            raise ValueError(f"{getattr(drafter, 'name', 'the drafter')} drafted token ids "
+                             f"outside [0, {target.vocab_size})")
+        out.append(Draft(tokens, d.probs, d.match, d.parents))
+    return out
 
 
 def _depth(d: Draft) -> int:

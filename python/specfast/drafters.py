@@ -71,6 +71,17 @@ class Draft:
         parents = None if self.parents is None else list(self.parents[:k])
         return Draft(list(self.tokens[:k]), _rows(self.probs, slice(0, k)), self.match, parents)
 
+    def chain(self) -> "Draft":
+        """A tree's first root-to-leaf path (each node's first child: its best,
+        a plain draw from q where the tree is sampled), as a chain."""
+        if self.parents is None:
+            return self
+        path = []
+        for i, p in enumerate(self.parents):
+            if p == (path[-1] if path else -1):
+                path.append(i)
+        return Draft([self.tokens[i] for i in path], _rows(self.probs, path), self.match)
+
     def tail(self) -> "Draft":
         """A chain without its first token."""
         return Draft(list(self.tokens[1:]), _rows(self.probs, slice(1, None)), self.match)
@@ -112,6 +123,10 @@ class Drafter:
     def select(self, rows: list) -> None:
         """Keep only these requests (indices into the current batch), in this
         order: the others finished."""
+
+    def finish(self) -> None:
+        """The generation is over (also after an error): release what ``start``
+        took (a remote drafter's session)."""
 
     def memory(self) -> dict:
         """Bytes the drafter holds: ``{"params": ..., "kv": ..., "kv_peak": ...}``."""

@@ -10,8 +10,9 @@ dense rows).
 Faults never stop or change a generation: every wait is bounded, and while the
 drafter is unreachable, slow, restarted or gone, drafts come from a local
 fallback (the n-gram drafter by default, kept in step all along) and the
-connection is retried in the background; when it is back, a new session sends
-the full contexts and drafting moves back to the remote side. The output does
+connection is tried again every ``retry`` seconds, from the decoding step (a
+try waits at most ``timeout``); when it is back, a new session sends the full
+contexts and drafting moves back to the remote side. The output does
 not depend on which drafter proposed (greedy and coupled), or stays exact
 because every draft carries the distribution it was drawn from (rejection).
 """
@@ -29,6 +30,8 @@ from .. import _api
 from ..drafters import Draft, Drafter, NgramDrafter
 from . import drafter_pb2 as pb
 from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, VERSION
+
+_KEEP_ALL = (1 << 32) - 1  # a keep (uint32) that rolls nothing back
 
 PAYLOADS = {"tokens": pb.TOKENS, "topk": pb.TOP_K, "dense": pb.DENSE}
 
@@ -119,6 +122,7 @@ class _Stream:
 
     def close(self):
         self._out.put(None)
+        self._call.cancel()  # ends the server's side too, and our reader
         self._call.cancel()
 
 
@@ -201,6 +205,7 @@ class RemoteDrafter(Drafter):
         drafter holds."""
         self._sent = list(sent)
         self._keep = self._select = None  # news for the next step
+        self._before_select = 0  # the batch a pending select picks from
         self._step = 0
         self._ahead = None  # the latest look-ahead
         self._last = []  # the chains drafted last step, per request
@@ -210,6 +215,7 @@ class RemoteDrafter(Drafter):
         self.fallback.start(contexts, sampling)
         self._contexts = [list(c) for c in contexts]
         self._sampling = list(sampling)
+        self.stats = TransferStats()  # per generation
         self._close()
         self._next_try = 0.0
         self._connect(strict=True)
@@ -227,27 +233,53 @@ class RemoteDrafter(Drafter):
         return self.fallback.propose(contexts, ks, sampling)
 
     def rollback(self, lengths):
+        """Pending until the next step goes out, which applies keep before select:
+        a step that sent nothing (every k 0) leaves its keep pending, and the next
+        one combines with it (the shorter wins), in the order before the select."""
         self.fallback.rollback(lengths)
-        self._keep = [int(n) for n in lengths]
+        if self._stream is None:
+            return  # a new session starts from the contexts
+        lengths = [int(n) for n in lengths]
+        if self._select is None:
+            self._keep = (lengths if self._keep is None
+                          else [min(a, b) for a, b in zip(self._keep, lengths)])
+        else:
+            keep = self._keep if self._keep is not None else [_KEEP_ALL] * self._before_select
+            for j, r in enumerate(self._select):
+                keep[r] = min(keep[r], lengths[j])
+            self._keep = keep
 
     def select(self, rows):
         self.fallback.select(rows)
         rows = list(rows)
-        self._sampling = [self._sampling[r] for r in rows]
         if self._stream is not None:
             self._sent = [self._sent[r] for r in rows]
+            if self._select is None:
+                self._before_select = len(self._sampling)
             # a later select composes with one not yet sent
             self._select = rows if self._select is None else [self._select[r] for r in rows]
+        self._sampling = [self._sampling[r] for r in rows]
+
+    def finish(self):
+        """Ends the session (the server's worker is free again); the channel stays."""
+        self._close()
 
     def close(self):
         self._close()
         self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     # -- the session ----------------------------------------------------------
     def _connect(self, strict=False):
         """Opens a session with the current contexts; on failure, retry later.
         ``strict``: a refusal (version, token, payload) raises RemoteError: a
         configuration error is said at the start, not decoded around."""
+        stream = None
         try:
             stream = _Stream(self._stub, self.timeout)
             hello = pb.Hello(version=VERSION, auth_token=self.auth_token or "",
@@ -263,15 +295,13 @@ class RemoteDrafter(Drafter):
             reply = stream.receive()
             self.stats.session_bytes += msg.ByteSize() + reply.ByteSize()  # it was answered
             if reply.WhichOneof("msg") != "welcome" or reply.welcome.version != VERSION:
-                stream.close()
                 raise RemoteError("the drafter answered hello with something else")
-        except RemoteError as e:
+        except (RemoteError, TimeoutError, ConnectionError) as e:
+            if stream is not None:
+                stream.close()  # its call and reader thread end with it
             self._lost(e)
-            if strict:
+            if strict and isinstance(e, RemoteError):
                 raise
-            return
-        except (TimeoutError, ConnectionError) as e:
-            self._lost(e)
             return
         self._stream = stream
         self.remote_name = reply.welcome.drafter
@@ -390,10 +420,20 @@ class RemoteDrafter(Drafter):
             if ids.max() >= self.vocab_size:
                 raise RemoteError("a top-k draft with ids outside the vocabulary")
             ids = np.where(vals > 0, ids, -1).astype(np.int32)  # unused slots
+            _check_probs(vals.reshape(n, self.top_k))
             probs = _api.SparseProbs(ids.reshape(n, self.top_k), vals.reshape(n, self.top_k).copy())
         elif n and self.payload == "dense" and d.probs:
             vals = np.frombuffer(d.probs, "<f4")
             if vals.size != n * self.vocab_size:
                 raise RemoteError("a dense draft of the wrong size")
             probs = vals.reshape(n, self.vocab_size).copy()
+            _check_probs(probs)
         return Draft(tokens, probs, int(d.match), parents)
+
+
+def _check_probs(rows):
+    """Draft probabilities verify would refuse end the session (the fallback
+    drafts), not the generation: finite, in [0, 1.001], rows summing to 1."""
+    if not (np.all(rows >= 0) and np.all(rows <= 1.001)
+            and np.all(np.abs(rows.sum(axis=1, dtype=np.float64) - 1.0) <= 1e-3)):
+        raise RemoteError("draft probabilities outside [0, 1] or not summing to 1")

@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--workers", type=int, default=8,
+                        help="sessions served at once; more are refused, not queued")
+    parser.add_argument("--idle", type=float, default=600.0,
+                        help="seconds a silent session is kept before it is closed")
 
 
 def run(args) -> int:
@@ -46,7 +50,7 @@ def run(args) -> int:
         with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
             tls = (c.read(), k.read())
     model = None
-    if not args.drafter.startswith("ngram"):
+    if not (args.drafter == "ngram" or args.drafter.startswith("ngram:")):  # as make() reads it
         from ..adapters import load
 
         model = load(args.drafter)  # loaded once, a fresh drafter state per session
@@ -58,7 +62,8 @@ def run(args) -> int:
 
         return ModelDrafter(model, branches=args.tree)
 
-    server, port = serve(make_drafter, args.host, args.port, auth_token=token, tls=tls)
+    server, port = serve(make_drafter, args.host, args.port, auth_token=token, tls=tls,
+                         workers=args.workers, idle=args.idle)
     print(f"specfast drafter ({make_drafter().name}) on {args.host}:{port}"
           f"{' with TLS' if tls else ''}{', token required' if token else ''} (pid {os.getpid()})",
           flush=True)
@@ -71,4 +76,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(argparse.Namespace()))
+    _parser = argparse.ArgumentParser(prog="python -m specfast.remote.serve_cli")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -30,6 +30,7 @@ MAX_MESSAGE = 64 << 20  # bytes; a dense payload of 16 x 262144 float32 rows fit
 MAX_DRAFT = 1024  # the verifier's limit per request
 MAX_TOP_K = 1024
 MAX_BATCH = 1 << 16
+HELLO_WAIT = 10.0  # seconds from a stream's start to its hello
 log = logging.getLogger("specfast.remote")
 
 
@@ -194,17 +195,20 @@ class DrafterService(pb_grpc.DrafterServicer):
             inbox.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
+        session = None
+
         def messages():
             while True:
+                # a peer that never says hello holds a worker for seconds, not minutes
+                wait = self.idle if session is not None else min(self.idle, HELLO_WAIT)
                 try:
-                    m = inbox.get(timeout=self.idle)
+                    m = inbox.get(timeout=wait)
                 except queue.Empty:
-                    raise ProtocolError(f"no message for {self.idle:g} s: session closed") from None
+                    raise ProtocolError(f"no message for {wait:g} s: session closed") from None
                 if m is None:
                     return
                 yield m
 
-        session = None
         try:
             for msg in messages():
                 kind = msg.WhichOneof("msg")
@@ -240,7 +244,10 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
     silent for ``idle`` seconds is closed (each holds one of ``workers``)."""
     import grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=[
+    # Sessions beyond the workers are refused (RESOURCE_EXHAUSTED: the client
+    # drafts locally), not queued behind sessions that may last minutes.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                         maximum_concurrent_rpcs=workers, options=[
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", max_message)])
     pb_grpc.add_DrafterServicer_to_server(DrafterService(make_drafter, auth_token, idle), server)
