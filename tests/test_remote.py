@@ -14,7 +14,8 @@ pytest.importorskip("transformers")
 grpc = pytest.importorskip("grpc")
 
 from specfast.decoder import SpeculativeDecoder  # noqa: E402
-from specfast.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from specfast import SparseProbs  # noqa: E402
+from specfast.drafters import Draft, ModelDrafter, NgramDrafter, Sampling  # noqa: E402
 from specfast.remote import RemoteDrafter, RemoteError, serve  # noqa: E402
 from specfast.remote import drafter_pb2 as pb  # noqa: E402
 from specfast.remote import drafter_pb2_grpc as pb_grpc  # noqa: E402
@@ -341,4 +342,109 @@ def test_tls(target, tmp_path):
         SpeculativeDecoder(target, plain, k=3).generate(PROMPTS[0], 8)
         assert plain.stats.steps == 0 and plain.stats.failures
     finally:
+        server.stop(0)
+
+
+class _Recording(NgramDrafter):
+    keeps: list = []
+
+    def rollback(self, lengths):
+        _Recording.keeps.append(list(lengths))
+        super().rollback(lengths)
+
+
+def test_keep_of_a_silent_step_combines_with_a_pending_select():
+    """rollback, select, rollback again with no step between (every k was 0):
+    the step that goes out carries one keep in the order before the select, the
+    shorter of the two per request (a keep sized after the select was refused
+    by the server, which dropped the session)."""
+    _Recording.keeps = []
+    server, port = serve(lambda: _Recording())
+    d = RemoteDrafter(f"127.0.0.1:{port}", vocab_size=48, timeout=5.0)
+    try:
+        ctx = [[1, 2, 3, 1, 2], [4, 5, 4, 5], [7, 8, 9, 7, 8]]
+        samp = [Sampling() for _ in ctx]
+        d.start(ctx, samp)
+        d.propose(ctx, [2, 2, 2], samp)
+        for c in ctx:
+            c.extend([3, 1])
+        d.rollback([len(c) - 1 for c in ctx])  # 6, 5, 6
+        d.select([0, 2])
+        d.rollback([len(ctx[0]) - 2, len(ctx[2])])  # 5, 7: the first shorter now
+        d.propose([ctx[0], ctx[2]], [2, 2], [samp[0], samp[2]])
+        assert d.stats.sessions == 1 and not d.stats.failures and d.stats.steps == 2
+        assert _Recording.keeps[-1][0] == 5 and _Recording.keeps[-1][2] == 6
+    finally:
+        d.close()
+        server.stop(0)
+
+
+class _BadProbs(NgramDrafter):
+    deterministic = False
+
+    def propose(self, contexts, ks, sampling):
+        return [Draft([1] * k, SparseProbs(np.tile(np.arange(4, dtype=np.int32), (k, 1)),
+                                           np.full((k, 4), np.nan, np.float32)))
+                for k in ks]
+
+
+def test_malformed_remote_probabilities_fall_back(target):
+    """Probabilities the verifier would refuse end the session, not the generation."""
+    server, port = serve(lambda: _BadProbs())
+    d = remote(port, target, payload="topk", top_k=4, retry=100.0)
+    try:
+        g = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[0], 12, temperature=1.0,
+                                                       method="rejection", seed=4)
+        assert len(g.tokens) == 12 and d.stats.local_steps > 0
+        assert any("draft probabilities" in f for f in d.stats.failures)
+    finally:
+        d.close()
+        server.stop(0)
+
+
+class _ChainOnly:
+    """A target without keep_paths (as LlamaCppModel): it verifies chains only."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        if name == "keep_paths":
+            raise AttributeError(name)
+        return getattr(self._target, name)
+
+
+def test_remote_trees_reach_a_chain_only_target_as_chains(target):
+    server, port = serve(lambda: NgramDrafter(branches=3))
+    d = remote(port, target)
+    try:
+        g = SpeculativeDecoder(_ChainOnly(target), d, k=4).generate(PROMPTS[0], 20)
+        assert g.tokens == reference(target, PROMPTS[0], 20, temperature=0.0)
+        assert d.stats.steps > 0 and not d.stats.failures
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def test_sessions_beyond_the_workers_are_refused_and_freed_at_the_end(target):
+    """workers=1: a second client is refused at once (and drafts locally) while
+    the first holds the session; the first generation's end frees it."""
+    server, port = serve(lambda: NgramDrafter(), workers=1)
+    first, second = remote(port, target, retry=0.0), remote(port, target, retry=0.0)
+    try:
+        first.start([list(PROMPTS[0])], [Sampling()])
+        t0 = time.monotonic()
+        out = SpeculativeDecoder(target, second, k=4).generate(PROMPTS[0], 10)
+        assert time.monotonic() - t0 < 4.0  # refused, not queued behind the first
+        assert second.stats.sessions == 0 and second.stats.failures
+        assert out.tokens == reference(target, PROMPTS[0], 10, temperature=0.0)
+        first.finish()
+        time.sleep(0.2)
+        SpeculativeDecoder(target, second, k=4).generate(PROMPTS[0], 10)
+        assert second.stats.sessions == 1 and not second.stats.failures
+        SpeculativeDecoder(target, first, k=4).generate(PROMPTS[0], 10)  # second finished
+        assert first.stats.sessions == 1 and not first.stats.failures
+    finally:
+        first.close()
+        second.close()
         server.stop(0)
