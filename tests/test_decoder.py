@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import specfast  # noqa: E402
 from specfast.adapters.hf import HFModel  # noqa: E402
 from specfast.decoder import DraftLength, SpeculativeDecoder  # noqa: E402
-from specfast.drafters import ModelDrafter, NgramDrafter  # noqa: E402
+from specfast.drafters import Draft, ModelDrafter, NgramDrafter  # noqa: E402
 
 from stats import assert_outcomes, scaled  # noqa: E402
 
@@ -385,3 +385,30 @@ def test_draft_length_measures_a_plain_step():
     c.observe_target(1, 0.05)
     c.observe(0, 2, 2)
     assert all(c.choose(0, 100) > 0 for _ in range(16))  # measured: no more detours
+
+
+class _Odd(NgramDrafter):
+    """Proposes what it is told to: too few drafts, ids past the vocabulary, or
+    numpy tokens."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def propose(self, contexts, ks, sampling):
+        drafts = super().propose(contexts, ks, sampling)
+        if self.how == "count":
+            return drafts[:-1]
+        if self.how == "vocab":
+            return [Draft([10**6] * k) for k in ks]
+        return [Draft(np.array(d.tokens, np.int64), d.probs, d.match) for d in drafts]
+
+
+def test_drafts_are_checked_before_the_target_sees_them(target):
+    """A drafter is user code: a wrong count or an id outside the vocabulary is a
+    ValueError naming the drafter, numpy token arrays are taken."""
+    for how, match in (("count", "drafts for 2 requests"), ("vocab", "token ids outside")):
+        with pytest.raises(ValueError, match=match):
+            SpeculativeDecoder(target, _Odd(how), k=3).generate(PROMPTS[:2], 8)
+    out = SpeculativeDecoder(target, _Odd("numpy"), k=3).generate(PROMPTS[0], 12)
+    assert out.tokens == reference(target, PROMPTS[0], 12, temperature=0.0)

@@ -448,3 +448,12 @@ def test_sessions_beyond_the_workers_are_refused_and_freed_at_the_end(target):
         first.close()
         second.close()
         server.stop(0)
+
+
+def test_serve_cli_runs_as_a_module():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "specfast.remote.serve_cli", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--workers" in out.stdout and "--idle" in out.stdout

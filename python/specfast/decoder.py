@@ -585,7 +585,7 @@ class SpeculativeDecoder:
                 if drafter is not None and any(ks):
                     drafts = drafter.propose([contexts[i] for i in live], ks,
                                              [sampling[i] for i in live])
-            drafts = _checked(drafts, ks, target, drafter)
+            drafts = _checked(drafts, ks, len(live), target, drafter)
             step_ks[max(ks)] = step_ks.get(max(ks), 0) + 1
             t_draft = time.perf_counter() - t0
             if not cheap:
@@ -753,14 +753,14 @@ def _settled(text: str, stop) -> str:
     return text[:keep]
 
 
-def _checked(drafts, ks, target, drafter) -> list:
+def _checked(drafts, ks, n, target, drafter) -> list:
     """The drafts cut to ``ks``, checked before the target sees them (a drafter
     is user code): one per request, token ids in the vocabulary; trees become
     chains for a target that verifies chains only (a remote drafter may send
     trees)."""
-    if len(drafts) != len(ks):
+    if len(drafts) != n:
         raise ValueError(f"{getattr(drafter, 'name', 'the drafter')} returned {len(drafts)} "
-                         f"drafts for {len(ks)} requests")
+                         f"drafts for {n} requests")
     trees = hasattr(target, "keep_paths")
     out = []
     for d, k in zip(drafts, ks):
