@@ -92,7 +92,7 @@ def run(args) -> int:
         ok &= same
         ma, mb = a.metrics, b.metrics
         print(f"{w['name']:22} {w['kind']:12} {mb.tokens:6d} {ma.tokens_per_s:11.1f} "
-              f"{mb.tokens_per_s:10.1f} {mb.tokens_per_s / ma.tokens_per_s:7.2f}x "
+              f"{mb.tokens_per_s:10.1f} {mb.tokens_per_s / max(ma.tokens_per_s, 1e-9):7.2f}x "
               f"{mb.acceptance_rate:6.2f} {mb.mean_accepted_length:8.2f}  "
               f"{'yes' if same else 'NO'}")
     mem = spec.memory_report(batch=1, context=max(len(target.encode(w["messages"])) for w in rows) + cap)

@@ -13,6 +13,23 @@ import json
 import sys
 
 
+def _count(low):
+    """An argparse type: an int >= low."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{n} is below {low}")
+        return n
+    return parse
+
+
+def _draft_length(text):
+    return text if text == "auto" else _count(0)(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
@@ -26,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for a batch); '-' reads stdin")
     parser.add_argument("--raw", action="store_true", help="no chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("-k", "--draft-length", default="auto",
+    parser.add_argument("--max-new-tokens", type=_count(0), default=128)
+    parser.add_argument("-k", "--draft-length", type=_draft_length, default="auto",
                         help="'auto' or a fixed k (drafted tokens, or tree nodes, per step)")
-    parser.add_argument("--tree", type=int, default=1, metavar="N",
+    parser.add_argument("--tree", type=_count(1), default=1, metavar="N",
                         help="draft token trees of N branches per node (1: chains)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -51,6 +68,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prompt.count("-") > 1:
+        raise SystemExit("--prompt -: stdin can be read once")
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
     target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
     if args.drafter.startswith("remote:"):
@@ -61,8 +80,7 @@ def run(args) -> int:
     else:
         drafter = None if args.drafter == "none" else \
             make(args.drafter, branches=args.tree, chat=not args.raw)
-    k = args.draft_length if args.draft_length == "auto" else int(args.draft_length)
-    dec = SpeculativeDecoder(target, drafter, k=k)
+    dec = SpeculativeDecoder(target, drafter, k=args.draft_length)
     single = len(prompts) == 1
 
     def stream(i, toks, text):

@@ -29,6 +29,7 @@ class DelayProxy:
         self.host, self.port = self._sock.getsockname()[:2]
         self._conns: list = []
         self._closed = threading.Event()
+        self._count = threading.Lock()  # the pumps of every connection add to the counters
         self.bytes_up = 0  # TCP payload bytes client -> upstream
         self.bytes_down = 0  # and back
         threading.Thread(target=self._accept, daemon=True).start()
@@ -104,7 +105,8 @@ class DelayProxy:
                     dst.sendall(data)
                 except OSError:
                     return
-                setattr(self, counter, getattr(self, counter) + len(data))
+                with self._count:
+                    setattr(self, counter, getattr(self, counter) + len(data))
 
         threading.Thread(target=read, daemon=True).start()
         threading.Thread(target=write, daemon=True).start()
