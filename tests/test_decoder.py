@@ -412,3 +412,25 @@ def test_drafts_are_checked_before_the_target_sees_them(target):
             SpeculativeDecoder(target, _Odd(how), k=3).generate(PROMPTS[:2], 8)
     out = SpeculativeDecoder(target, _Odd("numpy"), k=3).generate(PROMPTS[0], 12)
     assert out.tokens == reference(target, PROMPTS[0], 12, temperature=0.0)
+
+
+def test_adapter_refuses_what_it_cannot_run_exactly():
+    """Sliding-window caches (their layers drop old tokens, which rollback needs)
+    and attention that may ignore the 4-D masks are refused at load; a model with
+    learned positions says before any forward how many new tokens fit."""
+    cfg = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**cfg, sliding_window=16))
+    with pytest.raises(ValueError, match="sliding-window"):
+        HFModel(mistral)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    llama.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="sdpa"):
+        HFModel(llama)
+    gpt2 = HFModel(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=48, n_positions=32, n_embd=32, n_layer=1, n_head=4)))
+    gpt2.eos_token_ids = []
+    dec = SpeculativeDecoder(gpt2, NgramDrafter())
+    assert len(dec.generate(list(range(1, 21)), 13).tokens) == 13  # positions 0..31
+    with pytest.raises(ValueError, match="32 positions"):
+        dec.generate(list(range(1, 21)), 14)

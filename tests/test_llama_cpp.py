@@ -84,3 +84,17 @@ def test_speculative_decoding_runs_on_llama_cpp(llama):
     same = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b),
                 min(len(spec.tokens), len(plain.tokens)))
     assert same >= 8  # the first tokens come from the same prefill and first steps
+
+
+def test_limits_and_metadata(llama):
+    """A forward past n_ctx is a ValueError (llama.cpp's own assert killed the
+    process); the KV size per token comes from the model, not from what the cache
+    holds now; every end-of-generation token ends a generation."""
+    state = llama.new_state(1)
+    with pytest.raises(ValueError, match="n_ctx"):
+        llama.forward(state, [list(range(100, 100 + llama.max_positions + 1))])
+    assert state.lengths == [0]
+    per_token = llama.kv_bytes_per_token()
+    llama.forward(state, [list(range(100, 150))])
+    assert llama.kv_bytes_per_token() == per_token > 0
+    assert llama.llm.token_eos() in llama.eos_token_ids

@@ -59,6 +59,9 @@ def test_keep_paths_leaves_the_cache_of_a_chain(target):
         kept = prompt + [tokens[n] for n in path]
         target.truncate(state, [len(kept)])
         assert state.lengths == [len(kept)]
+        # the dropped nodes leave the cache (they stayed as holes, step after step)
+        assert state.slots == len(kept) and target.kv_bytes(state) == \
+            target.kv_bytes_per_token() * len(kept)
         got = target.forward(state, [[33]])[0][-1].float().numpy()
         np.testing.assert_allclose(got, full_logits(target, kept + [33])[0], atol=1e-5,
                                    err_msg=f"path {path}")

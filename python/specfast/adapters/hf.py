@@ -89,7 +89,21 @@ class HFModel:
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         cfg = model.config
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self._sdpa = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+        attn = getattr(cfg, "_attn_implementation", None) or "sdpa"
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"attention {attn!r} may not read the adapter's 4-D masks (holes, "
+                             "padding, trees): load the model with attn_implementation='sdpa'")
+        self._sdpa = attn == "sdpa"
+        from transformers import DynamicCache
+
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=cfg).layers}
+        if kinds - {"DynamicLayer"}:
+            raise ValueError(f"{self.name}: cache layers {sorted(kinds)} (sliding-window or "
+                             "recurrent attention) are not supported: the adapter rolls back "
+                             "and masks a full-attention cache")
+        # Learned absolute positions (GPT-2's wpe) end at n_positions; rotary ones do not.
+        wpe = getattr(getattr(model, "transformer", None), "wpe", None)
+        self.max_positions = wpe.num_embeddings if wpe is not None else None
         eos = []
         for src in (getattr(model, "generation_config", None), cfg, tokenizer):
             v = getattr(src, "eos_token_id", None) if src is not None else None
@@ -207,6 +221,9 @@ class HFModel:
                     block[b, width - n:, width - n:] = torch.from_numpy(seen)
                     depth = torch.from_numpy(depth).long()
                 positions[b, width - n:] = state.lengths[b] + depth
+        if self.max_positions is not None and int(positions.max()) >= self.max_positions:
+            raise ValueError(f"{self.name} has {self.max_positions} learned positions; this "
+                             f"forward reaches position {int(positions.max())}")
         slots = state.slots
         key_valid = torch.cat([state.valid, new_valid], dim=1)  # (B, S + T)
         if bool(key_valid.all()) and block is None:
@@ -309,19 +326,24 @@ class HFModel:
             state.lengths[b] = root_pos + 1 + n
 
     def truncate(self, state: HFState, lengths) -> None:
-        """Rolls row b back to its first ``lengths[b]`` tokens."""
+        """Rolls row b back to its first ``lengths[b]`` tokens, then drops the slots
+        no row uses (also those :meth:`keep_paths` left, whose lengths are already
+        the verified ones)."""
         torch = self.torch
-        if list(lengths) == state.lengths:
-            return
-        keep = torch.as_tensor(list(lengths), dtype=torch.long).unsqueeze(1)
-        state.valid &= state.pos < keep
-        state.pos = torch.where(state.valid, state.pos, torch.full_like(state.pos, -1))
-        state.lengths = [min(a, b) for a, b in zip(state.lengths, lengths)]
+        if list(lengths) != state.lengths:
+            keep = torch.as_tensor(list(lengths), dtype=torch.long).unsqueeze(1)
+            state.valid &= state.pos < keep
+            state.pos = torch.where(state.valid, state.pos, torch.full_like(state.pos, -1))
+            state.lengths = [min(a, b) for a, b in zip(state.lengths, lengths)]
+        self._trim(state)
+
+    def _trim(self, state: HFState) -> None:
+        """Crops unused slots off the end; compacts when holes outgrow the tokens."""
         used = state.valid.any(dim=0).nonzero()
         end = int(used[-1]) + 1 if used.numel() else 0
         drop = state.slots - end
         if drop:
-            state.cache.crop(-drop)
+            state.cache.crop(-drop)  # transformers 5: a negative n drops n slots
             state.valid = state.valid[:, :end]
             state.pos = state.pos[:, :end]
         longest = max(state.lengths, default=0)

@@ -63,18 +63,30 @@ class LlamaCppModel:
         self.chat = chat
         self.name = path.rsplit("/", 1)[-1]
         self.vocab_size = self.llm.n_vocab()
-        self.eos_token_ids = [self.llm.token_eos()]
+        # every end-of-generation token (Llama 3's <|eot_id|> is not token_eos)
+        vocab = lc.llama_model_get_vocab(self.llm.model)
+        self.eos_token_ids = [t for t in range(self.vocab_size) if lc.llama_vocab_is_eog(vocab, t)]
         self._n_ctx = n_ctx
+        self.max_positions = n_ctx  # one row alone; rows share the n_ctx cells
+        self._kv_per_token = _kv_bytes_per_token(self.llm.metadata)
 
     # -- text ---------------------------------------------------------------
     def encode(self, prompt) -> list:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if not isinstance(prompt, str):  # chat messages
-            from jinja2 import Template  # llama-cpp-python depends on jinja2
+            # rendered as transformers renders templates (their whitespace
+            # control, the special tokens they may name), so that both adapters
+            # give a prompt the same ids; llama-cpp-python depends on jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            tpl = self.llm.metadata.get("tokenizer.chat_template")
-            prompt = Template(tpl).render(messages=prompt, add_generation_prompt=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            tpl = env.from_string(self.llm.metadata.get("tokenizer.chat_template"))
+            piece = lambda t: self.llm.detokenize([t], special=True).decode(errors="replace")
+            prompt = tpl.render(messages=prompt, add_generation_prompt=True,
+                                bos_token=piece(self.llm.token_bos()),
+                                eos_token=piece(self.llm.token_eos()))
             return self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
         if self.chat and self.llm.metadata.get("tokenizer.chat_template"):
             return self.encode([{"role": "user", "content": prompt}])
@@ -88,7 +100,8 @@ class LlamaCppModel:
         return int(self.llama_cpp.llama_model_size(self.llm.model))
 
     def kv_bytes_per_token(self) -> int:
-        return int(self.llama_cpp.llama_state_get_size(self.ctx) // max(1, self._n_ctx))
+        """K and V bytes of one cached token, over all layers (f16 cache)."""
+        return self._kv_per_token
 
     def kv_bytes(self, state) -> int:
         return self.kv_bytes_per_token() * sum(state.lengths)
@@ -109,6 +122,9 @@ class LlamaCppModel:
         outs = [np.empty((0, self.vocab_size), np.float32) for _ in tokens]
         if total == 0:
             return outs
+        if sum(state.lengths) + total > self._n_ctx:  # llama.cpp would abort the process
+            raise ValueError(f"{sum(state.lengths)} cached and {total} new tokens exceed the "
+                             f"context of {self._n_ctx} (n_ctx) that the batch's rows share")
         batch = lc.llama_batch_init(total, 0, 1)
         try:
             i = 0
@@ -126,6 +142,8 @@ class LlamaCppModel:
                     i += 1
             batch.n_tokens = total
             if lc.llama_decode(self.ctx, batch) != 0:
+                for b, n in enumerate(state.lengths):  # what a partial decode cached
+                    self._seq_rm(b, n)
                 raise RuntimeError("llama_decode failed")
             rows = {b: [] for b in range(len(tokens))}
             for b, i in where:
@@ -169,6 +187,16 @@ class LlamaCppModel:
                 self._seq_cp(old, new)
                 self._seq_rm(old, -1)
         state.lengths = [state.lengths[r] for r in rows]
+
+
+def _kv_bytes_per_token(md: dict) -> int:
+    """2 bytes (f16) per K and V element of every layer's KV heads, from the GGUF metadata."""
+    arch = md.get("general.architecture", "")
+    get = lambda key, default=None: int(md.get(f"{arch}.{key}", default))
+    heads = get("attention.head_count")
+    head_dim = get("embedding_length") // heads
+    k, v = get("attention.key_length", head_dim), get("attention.value_length", head_dim)
+    return 2 * get("block_count") * get("attention.head_count_kv", heads) * (k + v)
 
 
 def _free_context(lc, ctx, llm) -> None:
