@@ -328,3 +328,30 @@ def test_host_parameters_checked_at_once(kernels, kw, index):
     with pytest.raises(ValueError, match=f"at index {index}"):
         _cuda.verify(*chain(), **kw)
     assert kernels.calls == []
+
+
+def test_host_values_taken_as_the_kernel_reads_them(kernels):
+    """Host parameters are checked in float32, as the kernel reads them (1e30 in
+    float32 is a valid temperature); unsigned torch tensors are taken (uint64
+    seeds as their 64 bits); no request, no check."""
+    x = torch.zeros(2, 50)
+    _cuda.sample(x, temperature=np.array([np.float32(1e30), 1.0], np.float32))
+    _cuda.sample(x, top_p=1 + 1e-9)  # float32: 1.0
+    _cuda.sample(x, seed=torch.tensor([2**63 + 5, 1], dtype=torch.uint64),
+                 position=torch.tensor([3, 4], dtype=torch.uint32))
+    assert kernels.calls[-1][1]["params"]["seed"] == [2**63 + 5, 1]
+    _cuda.verify(torch.zeros(3, 50), torch.tensor([1], dtype=torch.uint16), np.array([1, 0]))
+    _cuda.sample(torch.zeros(0, 50), top_p=0.0)  # an empty batch reads no parameter
+    with pytest.raises(ValueError, match="too large for a float"):
+        _cuda.sample(x, temperature=10**400)
+    with pytest.raises(ValueError, match="non-negative"):
+        _cuda.sample(x, seed=torch.tensor([-1, 2]))
+
+
+def test_c_empty_call_checks_no_parameter():
+    """No row, no parameter read: an empty call succeeds (no launch) whatever
+    the parameters say, as on the CPU."""
+    def empty(c):
+        c["logits"].rows = 0
+        c["params"].top_p_value = 0.0
+    assert c_call(empty, "sample") == 0 and c_call(empty, "probs") == 0

@@ -1060,7 +1060,9 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
                             p->n_position};
     for (int i = 0; i < 6; i++)
         if (ptr[i] && cnt[i] != 1 && cnt[i] != batch) return SF_ERR_SHAPE;
-    /* Values given on the host are checked here, device arrays by the kernel. */
+    /* Values given on the host are checked here, device arrays by the kernel;
+     * no request, nothing read (as on the CPU). */
+    if (batch == 0) return SF_OK;
     const float t = p->temperature_value, tp = p->top_p_value, mp = p->min_p_value;
     if ((!p->temperature && !(t >= 0.0f && t <= SF_MAX_TEMPERATURE)) ||
         (!p->top_k && p->top_k_value < 0) || (!p->top_p && !(tp > 0.0f && tp <= 1.0f)) ||

@@ -34,7 +34,7 @@ import cffi
 import numpy as np
 
 from ._cdef import CDEF
-from ._api import _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _method, _torch
+from ._api import _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_float, _method, _torch
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -97,12 +97,13 @@ def _on_device(x, dtype, dev, name, ndim=None):
     """``x`` as a contiguous CUDA tensor of ``dtype`` on ``dev`` (a no-op when it is one)."""
     torch = _torch()
     ints = dtype in (torch.int32, torch.int64)
+    if isinstance(x, torch.Tensor) and ints and not x.is_cuda and not x.is_floating_point():
+        x = x.detach().numpy()  # host integers: checked below as numpy's (torch has no
+        # min of its unsigned types); a device tensor is taken unread, no sync
     if isinstance(x, torch.Tensor):
         t = x.detach()
         if ints and t.is_floating_point() and t.numel():
             raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
-        if ints and not t.is_cuda and t.dtype != dtype and t.numel():
-            _check_fits(int(t.min()), int(t.max()), dtype, name)  # a device one: no sync
         t = t.to(device=dev, dtype=dtype)
     else:
         a = np.asarray(x)
@@ -173,10 +174,14 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
                           "position": (-(1 << 63), 1 << 63)}[name]
                 if not lo <= v < hi:
                     raise ValueError(f"{name}={v} is out of range [{lo}, {hi})")
+            else:
+                v = _as_float(v, name)
             setattr(p, name, ffi.NULL)
             setattr(p, "n_" + name, 1)
             setattr(p, name + "_value", v)
             continue
+        if name == "seed" and isinstance(value, torch.Tensor) and not value.is_cuda:
+            value = value.detach().numpy()  # host seeds: checked and taken as numpy's
         if name == "seed" and not isinstance(value, torch.Tensor):
             a = np.asarray(value)
             if a.dtype.kind not in "iu":
@@ -267,24 +272,31 @@ def _param_detail(params, index):
     return f"{_PARAM_RULES}; got " + ", ".join(shown)
 
 
+# The C checks, on the values as the kernels read them (float32, int32).
 _PARAM_OK = {
-    "temperature": lambda v: (v >= 0) & (v <= 1e30),  # SF_MAX_TEMPERATURE
+    "temperature": lambda v: (v >= 0) & (v <= np.float32(1e30)),  # SF_MAX_TEMPERATURE
     "top_k": lambda v: v >= 0,
     "top_p": lambda v: (v > 0) & (v <= 1),
     "min_p": lambda v: (v >= 0) & (v <= 1),
 }
 
 
-def _check_host_params(what, params):
+def _check_host_params(what, params, batch):
     """Parameters held on the host are checked now, as the CPU backend does;
     those in device tensors are checked by the kernel (no synchronisation)."""
     from ._lib import check
 
+    if batch == 0:
+        return  # no request reads them
     first = None
     for k, v in params.items():
         if is_cuda(v):
             continue
-        bad = np.flatnonzero(~_PARAM_OK[k](_values(v).astype(np.float64)))
+        vv = _values(v)
+        if k != "top_k":
+            with np.errstate(over="ignore"):
+                vv = vv.astype(np.float32)  # what the kernel reads (too large: inf)
+        bad = np.flatnonzero(~_PARAM_OK[k](vv))
         if bad.size and (first is None or bad[0] < first):
             first = int(bad[0])
     if first is not None:
@@ -398,7 +410,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         d.kind, d.dense = 1, _ptr(q)
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position)
-    _check_host_params("specfast.verify", pvals)
+    _check_host_params("specfast.verify", pvals, batch)
     out = dict(out or {})
     width = max_draft + 1
     o_tok = _out(out, "tokens", (batch, width), torch.int32, dev)
@@ -433,7 +445,7 @@ def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p
     rows = x.shape[0]
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position)
-    _check_host_params(what, pvals)
+    _check_host_params(what, pvals, rows)
     out = dict(out or {})
     if name == "tokens":
         result = _out(out, name, (rows,), torch.int32, dev)
