@@ -381,22 +381,26 @@ def test_keep_of_a_silent_step_combines_with_a_pending_select():
 
 class _BadProbs(NgramDrafter):
     deterministic = False
+    repeat = False  # a repeated id instead of NaN values
 
     def propose(self, contexts, ks, sampling):
-        return [Draft([1] * k, SparseProbs(np.tile(np.arange(4, dtype=np.int32), (k, 1)),
-                                           np.full((k, 4), np.nan, np.float32)))
+        ids = np.array([1, 1, 2, 3] if self.repeat else [0, 1, 2, 3], np.int32)
+        value = 0.25 if self.repeat else np.nan
+        return [Draft([1] * k, SparseProbs(np.tile(ids, (k, 1)), np.full((k, 4), value, np.float32)))
                 for k in ks]
 
 
-def test_malformed_remote_probabilities_fall_back(target):
+@pytest.mark.parametrize("repeat", [False, True], ids=["nan", "repeated-id"])
+def test_malformed_remote_probabilities_fall_back(target, repeat):
     """Probabilities the verifier would refuse end the session, not the generation."""
+    _BadProbs.repeat = repeat
     server, port = serve(lambda: _BadProbs())
     d = remote(port, target, payload="topk", top_k=4, retry=100.0)
     try:
         g = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[0], 12, temperature=1.0,
                                                        method="rejection", seed=4)
         assert len(g.tokens) == 12 and d.stats.local_steps > 0
-        assert any("draft probabilities" in f for f in d.stats.failures)
+        assert any("draft probabilities" in f or "repeats a token" in f for f in d.stats.failures)
     finally:
         d.close()
         server.stop(0)
@@ -439,11 +443,18 @@ def test_sessions_beyond_the_workers_are_refused_and_freed_at_the_end(target):
         assert second.stats.sessions == 0 and second.stats.failures
         assert out.tokens == reference(target, PROMPTS[0], 10, temperature=0.0)
         first.finish()
-        time.sleep(0.2)
-        SpeculativeDecoder(target, second, k=4).generate(PROMPTS[0], 10)
-        assert second.stats.sessions == 1 and not second.stats.failures
-        SpeculativeDecoder(target, first, k=4).generate(PROMPTS[0], 10)  # second finished
-        assert first.stats.sessions == 1 and not first.stats.failures
+        for _ in range(50):  # until the server has seen the first session end
+            SpeculativeDecoder(target, second, k=4).generate(PROMPTS[0], 10)
+            if second.stats.sessions:
+                break
+            time.sleep(0.1)
+        assert second.stats.sessions == 1 and second.stats.steps > 0
+        for _ in range(50):  # the second client's generation has ended: its session too
+            SpeculativeDecoder(target, first, k=4).generate(PROMPTS[0], 10)
+            if first.stats.sessions:
+                break
+            time.sleep(0.1)
+        assert first.stats.sessions == 1 and first.stats.steps > 0
     finally:
         first.close()
         second.close()

@@ -123,7 +123,6 @@ class _Stream:
     def close(self):
         self._out.put(None)
         self._call.cancel()  # ends the server's side too, and our reader
-        self._call.cancel()
 
 
 class RemoteDrafter(Drafter):
@@ -421,6 +420,9 @@ class RemoteDrafter(Drafter):
                 raise RemoteError("a top-k draft with ids outside the vocabulary")
             ids = np.where(vals > 0, ids, -1).astype(np.int32)  # unused slots
             _check_probs(vals.reshape(n, self.top_k))
+            s = np.sort(ids.reshape(n, self.top_k), axis=1)
+            if np.any((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)):
+                raise RemoteError("a top-k draft that repeats a token id")
             probs = _api.SparseProbs(ids.reshape(n, self.top_k), vals.reshape(n, self.top_k).copy())
         elif n and self.payload == "dense" and d.probs:
             vals = np.frombuffer(d.probs, "<f4")

@@ -87,8 +87,8 @@ class _Session:
             raise ProtocolError(f"hello: TOP_K payload needs 1 <= top_k <= {MAX_TOP_K}")
         if not 1 <= len(hello.requests) <= MAX_BATCH:
             raise ProtocolError(f"hello: 1 to {MAX_BATCH} requests, got {len(hello.requests)}")
-        if not 0 < hello.vocab_size <= 1 << 24:
-            raise ProtocolError("hello: vocab_size must be in (0, 2**24]")
+        if not 0 < hello.vocab_size <= _api._MAX_VOCAB:
+            raise ProtocolError(f"hello: vocab_size must be in (0, {_api._MAX_VOCAB}]")
         if hello.lookahead > MAX_DRAFT:
             raise ProtocolError(f"hello: lookahead must be at most {MAX_DRAFT}")
         self.vocab = hello.vocab_size
