@@ -482,9 +482,14 @@ class SpeculativeDecoder:
             batch gives the same output as alone with the same seed.
         method : {"coupled", "rejection"}
         stream : callable ``(index, token_ids, text)`` or None
-            Called with each request's newly emitted tokens and text.
+            Called with each request's newly emitted tokens and text. The text is
+            sent once it cannot change (not the start of a stop string, no partial
+            character); a tokenizer that rewrites earlier text as more tokens come
+            (``clean_up_tokenization_spaces``) streams it as first decoded, and the
+            returned ``text`` is the final one.
         stop : list of str or None
-            Stop strings; the text is cut before the first one.
+            Stop strings; the text is cut before the first one, and the tokens end
+            with the one that completes it, as in plain decoding.
         eos : bool
             Stop at the model's end-of-sequence tokens.
         """
@@ -717,20 +722,24 @@ class SpeculativeDecoder:
         a stop string, a partial character)."""
         out, done, text = [], False, None
         for t in new:
-            if len(gen[i]) >= max_new:
+            if len(gen[i]) + len(out) >= max_new:
                 done = True
                 break
             if t in eos_ids:
                 finish[i], done = "eos", True
                 break
-            gen[i].append(t)
             out.append(t)
-            if stop:
-                text = self.target.decode(gen[i])
-                cut = min((p for p in (text.find(s) for s in stop) if p >= 0), default=-1)
-                if cut >= 0:
-                    text, done, finish[i] = text[:cut], True, "stop"
-                    break
+        if stop:
+            text = self.target.decode(gen[i] + out)
+            if _find_stop(text, stop) >= 0:
+                # the token that completes it, where plain decoding stops
+                for n in range(1, len(out) + 1):
+                    text = self.target.decode(gen[i] + out[:n])
+                    cut = _find_stop(text, stop)
+                    if cut >= 0:
+                        break
+                out, text, done, finish[i] = out[:n], text[:cut], True, "stop"
+        gen[i].extend(out)
         done = done or len(gen[i]) >= max_new
         delta = ""
         if want_text:
@@ -745,6 +754,11 @@ class SpeculativeDecoder:
         if stream is not None and (out or delta):
             stream(i, out, delta)
         return done
+
+
+def _find_stop(text: str, stop) -> int:
+    """Where the first stop string starts in text, or -1."""
+    return min((p for p in (text.find(s) for s in stop) if p >= 0), default=-1)
 
 
 def _settled(text: str, stop) -> str:

@@ -68,7 +68,6 @@ class LlamaCppModel:
         self.eos_token_ids = [t for t in range(self.vocab_size) if lc.llama_vocab_is_eog(vocab, t)]
         self._n_ctx = n_ctx
         self.max_positions = n_ctx  # one row alone; rows share the n_ctx cells
-        self._kv_per_token = _kv_bytes_per_token(self.llm.metadata)
 
     # -- text ---------------------------------------------------------------
     def encode(self, prompt) -> list:
@@ -83,7 +82,8 @@ class LlamaCppModel:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
             tpl = env.from_string(self.llm.metadata.get("tokenizer.chat_template"))
-            piece = lambda t: self.llm.detokenize([t], special=True).decode(errors="replace")
+            piece = lambda t: "" if t < 0 else \
+                self.llm.detokenize([t], special=True).decode(errors="replace")
             prompt = tpl.render(messages=prompt, add_generation_prompt=True,
                                 bos_token=piece(self.llm.token_bos()),
                                 eos_token=piece(self.llm.token_eos()))
@@ -100,8 +100,12 @@ class LlamaCppModel:
         return int(self.llama_cpp.llama_model_size(self.llm.model))
 
     def kv_bytes_per_token(self) -> int:
-        """K and V bytes of one cached token, over all layers (f16 cache)."""
-        return self._kv_per_token
+        """K and V bytes of one cached token, over all layers (f16 cache), from the
+        GGUF metadata; 0 where it does not say (per-layer head counts, say)."""
+        try:
+            return _kv_bytes_per_token(self.llm.metadata)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            return 0
 
     def kv_bytes(self, state) -> int:
         return self.kv_bytes_per_token() * sum(state.lengths)
@@ -192,7 +196,8 @@ class LlamaCppModel:
 def _kv_bytes_per_token(md: dict) -> int:
     """2 bytes (f16) per K and V element of every layer's KV heads, from the GGUF metadata."""
     arch = md.get("general.architecture", "")
-    get = lambda key, default=None: int(md.get(f"{arch}.{key}", default))
+    get = lambda key, default=None: int(md[f"{arch}.{key}"] if default is None
+                                        else md.get(f"{arch}.{key}", default))
     heads = get("attention.head_count")
     head_dim = get("embedding_length") // heads
     k, v = get("attention.key_length", head_dim), get("attention.value_length", head_dim)
