@@ -51,6 +51,26 @@ def test_ngram_index_grows_incrementally_and_selects_rows():
     assert d.propose(ctxs[1:], [3], [Sampling()])[0].tokens == [4, 5]  # all that follows
 
 
+def test_ngram_tree_leads_with_the_source_a_chain_resumes():
+    """Where only one-token matches are left, a tree follows the course a chain
+    would resume (it outweighs them together), so on a copy the target edits as it
+    goes a tree of k nodes bets as the chain does."""
+    src = [6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    ctx = src + [50, 1, 2]
+    tree = NgramDrafter(branches=4)
+    tree.start([ctx], [Sampling()])
+    assert tree.propose([ctx], [5], [Sampling()])[0].tokens == [3, 4, 5, 6, 7]
+    ctx = ctx + [3, 4, 6]  # 3 and 4 accepted, the source's 5 skipped
+    tree.rollback([len(ctx)])
+    t = tree.propose([ctx], [6], [Sampling()])[0]
+    assert t.tokens[:3] == [7, 8, 9] and t.parents[:3] == [-1, 0, 1]
+    assert t.match == NgramDrafter.RESYNC_MATCH
+    # without the tree's last draft there is no source to resume: (6,) matches at
+    # 0 and 7, and the earliest leads
+    fresh = propose(NgramDrafter(branches=4), ctx, 6)
+    assert fresh.tokens[0] == 0 and fresh.match == 1
+
+
 def test_ngram_chain_resumes_its_source_after_the_target_skips_tokens():
     src = [6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     ctx = src + [50, 1, 2]

@@ -317,10 +317,22 @@ class NgramDrafter(Drafter):
         below its parent), listed best first.
         """
         found = self.matches(i, ctx)
+        weights = [j * j for _, j in found]
+        match = found[0][1] if found else 0
+        if not found or found[0][1] < 2:
+            # a weak clue: the source's course leads, as it does a chain (more
+            # than the other continuations together)
+            r = self.resync(i, ctx)
+            if r >= 0:
+                rest = [(m, w) for m, w in zip(found, weights) if m[0] != r - 1]
+                found = [(r - 1, self.RESYNC_MATCH)] + [m for m, _ in rest]
+                weights = [sum(w for _, w in rest) + self.RESYNC_MATCH ** 2] + [w for _, w in rest]
+                match = self.RESYNC_MATCH
+        self._copy[i] = (found[0][0] + 1, len(ctx)) if found else None
         if not found:
             return Draft([])
         nodes, weight, children = [], [], {}  # node: (token, parent, depth)
-        for e, j in found:
+        for (e, _), w_e in zip(found, weights):
             parent = -1
             for depth, tok in enumerate(ctx[e + 1:e + 1 + k]):
                 node = children.get((parent, tok))
@@ -328,12 +340,12 @@ class NgramDrafter(Drafter):
                     node = children[(parent, tok)] = len(nodes)
                     nodes.append((tok, parent, depth))
                     weight.append(0)
-                weight[node] += j * j
+                weight[node] += w_e
                 parent = node
-        scale = 1.0 / sum(j * j for _, j in found)
+        scale = 1.0 / sum(weights)
         tokens, parents, depths = zip(*nodes)
         score = [w * scale * self.decay ** d for w, d in zip(weight, depths)]
-        return _best_tree(tokens, parents, score, depths, k, found[0][1])
+        return _best_tree(tokens, parents, score, depths, k, match)
 
     def propose(self, contexts, ks, sampling):
         out = []
