@@ -6,6 +6,7 @@
 
 #include <math.h>
 
+#include "shared.h"
 #include "specfast.h"
 
 typedef struct sf_rowparams {
@@ -42,9 +43,7 @@ static inline sf_status sf_params_check(const sf_params *p, int64_t batch,
     for (int64_t b = 0; b < batch; b++) {
         sf_rowparams r;
         sf_params_get(p, b, &r);
-        if (!(r.temperature >= 0.0f && r.temperature <= SF_MAX_TEMPERATURE) || r.top_k < 0 ||
-            !(r.top_p > 0.0f && r.top_p <= 1.0f) ||
-            !(r.min_p >= 0.0f && r.min_p <= 1.0f)) {
+        if (!sf_params_ok(r.temperature, r.top_k, r.top_p, r.min_p)) {
             *index = b;
             return SF_ERR_PARAM;
         }

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "specfast.h"
+
 #if defined(__CUDACC__)
 #define SF_HD __host__ __device__ __forceinline__
 #else
@@ -34,6 +36,14 @@
 #define SF_FADD(a, b) ((a) + (b))
 #define SF_FSUB(a, b) ((a) - (b))
 #endif
+
+/* One request's sampling parameters are in range (specfast.h's rules; a NaN
+ * is not): the CPU's sf_params_check, the CUDA kernels and the CUDA host's
+ * check of values passed by value all ask this. */
+SF_HD int sf_params_ok(float temperature, int32_t top_k, float top_p, float min_p) {
+    return temperature >= 0.0f && temperature <= SF_MAX_TEMPERATURE && top_k >= 0 &&
+           top_p > 0.0f && top_p <= 1.0f && min_p >= 0.0f && min_p <= 1.0f;
+}
 
 /* Fixed-point scale of a token's weight: the most probable token weighs 2^40. */
 #define SF_MASS_BITS 40

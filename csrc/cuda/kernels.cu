@@ -118,11 +118,8 @@ __device__ sf_cu_params_row sf_cu_get_params(const sf_cuda_params &p, int64_t b)
     return r;
 }
 
-/* sf_params_check's test of one request. */
-__device__ bool sf_cu_params_ok(sf_cu_params_row &r) {
-    bool ok = r.temperature >= 0.0f && r.temperature <= SF_MAX_TEMPERATURE && r.top_k >= 0 &&
-              r.top_p > 0.0f && r.top_p <= 1.0f && r.min_p >= 0.0f && r.min_p <= 1.0f;
-    return ok;
+__device__ bool sf_cu_params_ok(const sf_cu_params_row &r) {
+    return sf_params_ok(r.temperature, r.top_k, r.top_p, r.min_p);
 }
 
 /* ---- per-token weights, as the CPU's weights pass forms them ---- */
@@ -1060,13 +1057,12 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
                             p->n_position};
     for (int i = 0; i < 6; i++)
         if (ptr[i] && cnt[i] != 1 && cnt[i] != batch) return SF_ERR_SHAPE;
-    /* Values given on the host are checked here, device arrays by the kernel;
-     * no request, nothing read (as on the CPU). */
+    /* Values given on the host are checked here, device arrays by the kernel
+     * (a valid value stands in for them); no request, nothing read (as on the
+     * CPU). */
     if (batch == 0) return SF_OK;
-    const float t = p->temperature_value, tp = p->top_p_value, mp = p->min_p_value;
-    if ((!p->temperature && !(t >= 0.0f && t <= SF_MAX_TEMPERATURE)) ||
-        (!p->top_k && p->top_k_value < 0) || (!p->top_p && !(tp > 0.0f && tp <= 1.0f)) ||
-        (!p->min_p && !(mp >= 0.0f && mp <= 1.0f)))
+    if (!sf_params_ok(p->temperature ? 0.0f : p->temperature_value, p->top_k ? 0 : p->top_k_value,
+                      p->top_p ? 1.0f : p->top_p_value, p->min_p ? 0.0f : p->min_p_value))
         return SF_ERR_PARAM;
     return SF_OK;
 }
