@@ -64,8 +64,7 @@ class SparseProbs:
         idx, val = np.asarray(self.indices), np.asarray(self.values, np.float32)
         if vocab < 1 or (idx.size and (idx.min() < -1 or idx.max() >= vocab)):
             raise ValueError(f"SparseProbs.dense: ids must be in [-1, {vocab}) and vocab >= 1")
-        s = np.sort(idx, axis=1)
-        if np.any((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)):
+        if _repeats(idx):
             raise ValueError("SparseProbs.dense: a row repeats a token id")
         q = np.zeros((idx.shape[0], vocab), np.float32)
         rows, cols = np.nonzero(idx >= 0)
@@ -400,15 +399,58 @@ _PARAM_RULES = (
 )
 
 
+# The rules of _PARAM_RULES (shared.h's sf_params_ok), for checks made in Python
+# (the CUDA backend's host-held values, generate's): on numpy arrays of the values
+# as the C code reads them, float32 and int32.
+_PARAM_OK = {
+    "temperature": lambda v: (v >= 0) & (v <= np.float32(1e30)),  # SF_MAX_TEMPERATURE
+    "top_k": lambda v: (v >= 0) & (v < 1 << 31),
+    "top_p": lambda v: (v > 0) & (v <= 1),
+    "min_p": lambda v: (v >= 0) & (v <= 1),
+}
+
+
+def _param_values(v) -> np.ndarray:
+    """A parameter's values, 1-D on the host (a device tensor is copied back)."""
+    if _is_torch(v):
+        t = v.detach().reshape(-1).cpu()
+        return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy()
+    return np.asarray(v).reshape(-1)
+
+
+def _first_bad_param(param_values) -> int | None:
+    """The first request whose parameters break _PARAM_RULES, or None; each value
+    is a number or one per request."""
+    first = None
+    for k, v in param_values.items():
+        vv = _param_values(v)
+        if k != "top_k":
+            with np.errstate(over="ignore"):
+                vv = vv.astype(np.float32)  # what C reads (too large: inf)
+        bad = np.flatnonzero(~_PARAM_OK[k](vv))
+        if bad.size and (first is None or bad[0] < first):
+            first = int(bad[0])
+    return first
+
+
+def _param_detail(param_values, index) -> str:
+    """_PARAM_RULES and request index's values, for the error message."""
+    shown = []
+    for k, v in param_values.items():
+        vv = _param_values(v)
+        shown.append(f"{k}={vv[0 if vv.size == 1 else index].item()!r}")
+    return f"{_PARAM_RULES}; got " + ", ".join(shown)
+
+
 def _raise(status, what, index, param_values):
-    detail = None
-    if status == lib().SF_ERR_PARAM:
-        shown = ", ".join(
-            f"{k}={np.asarray(v).reshape(-1)[0 if np.size(v) == 1 else index].item()!r}"
-            for k, v in param_values.items()
-        )
-        detail = f"{_PARAM_RULES}; got {shown}"
+    detail = _param_detail(param_values, index) if status == lib().SF_ERR_PARAM else None
     check(status, what, index, detail)
+
+
+def _repeats(ids) -> bool:
+    """Whether a row of ids (N, K) names a token twice (-1 marks an unused slot)."""
+    s = np.sort(ids, axis=1)
+    return bool(np.any((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)))
 
 
 def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=None,

@@ -34,7 +34,8 @@ import cffi
 import numpy as np
 
 from ._cdef import CDEF
-from ._api import _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_float, _method, _torch
+from ._api import (_MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_float, _first_bad_param,
+                   _method, _param_detail, _torch)
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -257,30 +258,6 @@ def _raise_host(status, what, params):
     check(status, what, -1, detail)
 
 
-def _values(v):
-    """A parameter's values as a 1-D numpy array (a device tensor is copied back)."""
-    if isinstance(v, _torch().Tensor):
-        return v.detach().reshape(-1).cpu().double().numpy()
-    return np.asarray(v).reshape(-1)
-
-
-def _param_detail(params, index):
-    shown = []
-    for k, v in params.items():
-        vv = _values(v)
-        shown.append(f"{k}={vv[0 if vv.size == 1 else index].item()!r}")
-    return f"{_PARAM_RULES}; got " + ", ".join(shown)
-
-
-# The C checks, on the values as the kernels read them (float32, int32).
-_PARAM_OK = {
-    "temperature": lambda v: (v >= 0) & (v <= np.float32(1e30)),  # SF_MAX_TEMPERATURE
-    "top_k": lambda v: v >= 0,
-    "top_p": lambda v: (v > 0) & (v <= 1),
-    "min_p": lambda v: (v >= 0) & (v <= 1),
-}
-
-
 def _check_host_params(what, params, batch):
     """Parameters held on the host are checked now, as the CPU backend does;
     those in device tensors are checked by the kernel (no synchronisation)."""
@@ -288,17 +265,7 @@ def _check_host_params(what, params, batch):
 
     if batch == 0:
         return  # no request reads them
-    first = None
-    for k, v in params.items():
-        if is_cuda(v):
-            continue
-        vv = _values(v)
-        if k != "top_k":
-            with np.errstate(over="ignore"):
-                vv = vv.astype(np.float32)  # what the kernel reads (too large: inf)
-        bad = np.flatnonzero(~_PARAM_OK[k](vv))
-        if bad.size and (first is None or bad[0] < first):
-            first = int(bad[0])
+    first = _first_bad_param({k: v for k, v in params.items() if not is_cuda(v)})
     if first is not None:
         check(3, what, first, _param_detail(params, first))
 

@@ -87,6 +87,16 @@ def _slots(root_slot, batch):
     return np.broadcast_to(r.astype(np.int64), (batch,)).copy()
 
 
+def _paths(accepted_nodes, num_accepted, root_slot):
+    """(nodes, num_accepted, root slots) as verify returns them, checked to agree
+    on the batch."""
+    nodes = _int_array(accepted_nodes, "accepted_nodes", 2)
+    acc = _int_array(num_accepted, "num_accepted", 1)
+    if nodes.shape[0] != acc.shape[0]:
+        raise ValueError("accepted_nodes and num_accepted disagree on the batch size")
+    return nodes, acc, _slots(root_slot, acc.shape[0])
+
+
 def _axes(ndim, batch_axis, seq_axis):
     """The batch and sequence axes as indices in [0, ndim), batch first."""
     if ndim < 2:
@@ -141,12 +151,8 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     -------
     The cache (the same object).
     """
-    nodes = _int_array(accepted_nodes, "accepted_nodes", 2)
-    acc = _int_array(num_accepted, "num_accepted", 1)
+    nodes, acc, roots = _paths(accepted_nodes, num_accepted, root_slot)
     batch = acc.shape[0]
-    if nodes.shape[0] != batch:
-        raise ValueError("accepted_nodes and num_accepted disagree on the batch size")
-    roots = _slots(root_slot, batch)
     if _is_torch(cache):
         if cache.device.type != "cpu":
             ba, sa = _axes(cache.dim(), batch_axis, seq_axis)
@@ -217,13 +223,9 @@ def kv_keep_slots(accepted_nodes, num_accepted, root_slot):
     Returns a list of int64 arrays: ``[root, root + 1 + node_0, ...]``, for
     servers that gather instead of compacting in place.
     """
-    nodes = _int_array(accepted_nodes, "accepted_nodes", 2)
-    acc = _int_array(num_accepted, "num_accepted", 1)
-    if nodes.shape[0] != acc.shape[0]:
-        raise ValueError("accepted_nodes and num_accepted disagree on the batch size")
+    nodes, acc, roots = _paths(accepted_nodes, num_accepted, root_slot)
     if acc.size and (acc.min() < 0 or acc.max() > nodes.shape[1]):
         raise ValueError(f"num_accepted must be in [0, {nodes.shape[1]}] (accepted_nodes' width)")
-    roots = _slots(root_slot, acc.shape[0])
     slots = []
     for b, r in enumerate(roots):
         path = nodes[b, : acc[b]].astype(np.int64)

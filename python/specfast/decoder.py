@@ -549,12 +549,12 @@ class SpeculativeDecoder:
             raise ValueError("empty prompt")
         if any(min(c) < 0 or max(c) >= target.vocab_size for c in contexts):
             raise ValueError(f"prompt token ids must be in [0, {target.vocab_size})")
-        limit = getattr(target, "max_positions", None)  # the last token emitted is never fed
-        if limit is not None and max(len(c) for c in contexts) + max_new - 1 > limit:
-            raise ValueError(f"{target.name} takes {limit} positions: a prompt of "
-                             f"{max(len(c) for c in contexts)} tokens leaves room for "
-                             f"{max(0, limit + 1 - max(len(c) for c in contexts))} new ones")
         n_prompt = [len(c) for c in contexts]
+        limit = getattr(target, "max_positions", None)  # the last token emitted is never fed
+        if limit is not None and max(n_prompt) + max_new - 1 > limit:
+            raise ValueError(f"{target.name} takes {limit} positions: a prompt of "
+                             f"{max(n_prompt)} tokens leaves room for "
+                             f"{max(0, limit + 1 - max(n_prompt))} new ones")
         eos_ids = set(target.eos_token_ids) if eos else set()
         metrics = [Metrics(prompt_tokens=n) for n in n_prompt]
         total = Metrics(prompt_tokens=sum(n_prompt))

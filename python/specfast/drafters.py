@@ -631,11 +631,16 @@ def _np_logits(rows):
     return np.stack([np.asarray(r, np.float32) for r in rows])
 
 
+def is_ngram(spec: str) -> bool:
+    """Whether a :func:`make` spec names the n-gram drafter (else a model path)."""
+    return spec == "ngram" or spec.startswith("ngram:")
+
+
 def make(spec: str, target=None, *, branches: int = 1, **kwargs) -> Drafter:
     """A drafter from a short spec: ``"ngram"``, ``"ngram:4"`` (max n-gram) or a
     model path (folder or ``.gguf``) loaded with the HF adapter; ``branches > 1``
     drafts trees."""
-    if spec == "ngram" or spec.startswith("ngram:"):
+    if is_ngram(spec):
         n = int(spec.split(":", 1)[1]) if ":" in spec else 3
         return NgramDrafter(max_ngram=n, min_ngram=1, branches=branches)
     from .adapters import load
@@ -643,4 +648,5 @@ def make(spec: str, target=None, *, branches: int = 1, **kwargs) -> Drafter:
     return ModelDrafter(load(spec, **kwargs), branches=branches)
 
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "Sampling", "draft_seed", "make"]
+__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "Sampling", "draft_seed", "is_ngram",
+           "make"]

@@ -68,6 +68,10 @@ class LlamaCppModel:
         self.eos_token_ids = [t for t in range(self.vocab_size) if lc.llama_vocab_is_eog(vocab, t)]
         self._n_ctx = n_ctx
         self.max_positions = n_ctx  # one row alone; rows share the n_ctx cells
+        try:  # read once: kv_bytes runs every decoding step
+            self._kv_per_token = _kv_bytes_per_token(self.llm.metadata)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            self._kv_per_token = 0  # the metadata does not say (per-layer head counts)
 
     # -- text ---------------------------------------------------------------
     def encode(self, prompt) -> list:
@@ -101,11 +105,8 @@ class LlamaCppModel:
 
     def kv_bytes_per_token(self) -> int:
         """K and V bytes of one cached token, over all layers (f16 cache), from the
-        GGUF metadata; 0 where it does not say (per-layer head counts, say)."""
-        try:
-            return _kv_bytes_per_token(self.llm.metadata)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError):
-            return 0
+        GGUF metadata; 0 where it does not say."""
+        return self._kv_per_token
 
     def kv_bytes(self, state) -> int:
         return self.kv_bytes_per_token() * sum(state.lengths)

@@ -420,8 +420,7 @@ class RemoteDrafter(Drafter):
                 raise RemoteError("a top-k draft with ids outside the vocabulary")
             ids = np.where(vals > 0, ids, -1).astype(np.int32)  # unused slots
             _check_probs(vals.reshape(n, self.top_k))
-            s = np.sort(ids.reshape(n, self.top_k), axis=1)
-            if np.any((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)):
+            if _api._repeats(ids.reshape(n, self.top_k)):
                 raise RemoteError("a top-k draft that repeats a token id")
             probs = _api.SparseProbs(ids.reshape(n, self.top_k), vals.reshape(n, self.top_k).copy())
         elif n and self.payload == "dense" and d.probs:

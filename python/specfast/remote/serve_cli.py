@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..drafters import make
+    from ..drafters import is_ngram, make
     from .server import serve
 
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -50,7 +50,7 @@ def run(args) -> int:
         with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
             tls = (c.read(), k.read())
     model = None
-    if not (args.drafter == "ngram" or args.drafter.startswith("ngram:")):  # as make() reads it
+    if not is_ngram(args.drafter):
         from ..adapters import load
 
         model = load(args.drafter)  # loaded once, a fresh drafter state per session
