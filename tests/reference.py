@@ -261,6 +261,41 @@ def tree_outcomes(p_rows, parents, tokens, q_rows) -> dict:
     return out
 
 
+def acceptance_ratios(p_rows, parents, tokens, q_rows) -> list:
+    """What a fixed-draft case exercises: (node, sibling index, p'(x) / q(x), probability
+    the node is tried) for every node tried with probability > 1e-6, p' being the
+    target's distribution (or residual, after rejected siblings) at that point. A ratio
+    in (0, 1) is a coin that decides; 0 or >= 1 is a foregone rejection or acceptance."""
+    n = len(tokens)
+    ch = children_of(parents, n)
+    out = []
+
+    def walk(node, prob):
+        pp = np.array(p_rows[node + 1], dtype=np.float64)
+        reach = prob
+        for j, c in enumerate(ch[node]):
+            x = int(tokens[c])
+            qc = np.asarray(q_rows[c], dtype=np.float64)
+            r = pp[x] / qc[x] if qc[x] > 0 else 0.0
+            out.append((c, j, r, reach))
+            if r > 0:
+                walk(c, reach * min(1.0, r))
+            reach *= 1.0 - min(1.0, r)
+            if reach <= 1e-6:
+                return
+            res = np.maximum(pp - qc, 0.0)
+            pp = res / res.sum()
+
+    walk(-1, 1.0)
+    return out
+
+
+def coins_decide(ratios, lo=0.2, hi=0.8, reach=0.1, sibling=0) -> bool:
+    """Whether some node at sibling index >= ``sibling``, tried with probability >=
+    ``reach``, is accepted with a probability in (lo, hi)."""
+    return any(j >= sibling and lo < r < hi and w >= reach for _, j, r, w in ratios)
+
+
 def outcome_keys(result):
     """(path, final token) per request from a verify result (numpy); see outcome_counts."""
     tokens = np.asarray(result.tokens)

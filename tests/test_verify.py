@@ -16,6 +16,7 @@ import pytest
 import specfast as sf
 from reference import (
     ToyLM,
+    acceptance_ratios,
     accept_uniform,
     as_f64,
     build_toy_batch,
@@ -23,6 +24,7 @@ from reference import (
     chain_parents,
     check_structure,
     children_of,
+    coins_decide,
     draft_arg,
     node_depths,
     one_hot,
@@ -108,6 +110,11 @@ def fixed_case(name, rng):
         order = np.argsort(-rows[par + 1])
         for j, c in enumerate(kids):
             tokens[c] = order[[1, 0, 3, 5][j % 4]]
+            # The drafter favours its token (as it would, having drawn it): q(x) near or
+            # above p(x), so coins decide and residuals form.
+            w = rng.uniform(0.3, 0.7)
+            q[c] *= 1 - w
+            q[c, tokens[c]] += w
     if "iid" in name and len(ch[-1]) >= 2:
         # i.i.d. siblings may repeat a token
         tokens[ch[-1][1]] = tokens[ch[-1][0]]
@@ -193,6 +200,9 @@ def test_fixed_drafts_exact_outcomes(name, dtype, rng):
         )
     p_rows = ref_probs(rows64, **params)
     expected = tree_outcomes(p_rows, parents, tokens, q_dense)
+    by_fiat = ("chain0", "none", "greedy", "q0", "banned")  # cases of foregone decisions
+    if not any(f in name for f in by_fiat):  # the case decides by coins
+        assert coins_decide(acceptance_ratios(p_rows, parents, tokens, q_dense), 0.05, 0.95)
     chain = name.startswith("chain")
     args, kw = replicate(
         rows, tokens, parents, qarg, B_FIXED, rng, kind=kind, dtype=dtype, chain=chain
@@ -249,6 +259,44 @@ def test_fixed_drafts_exact_outcomes_wide_vocab(kind, rng):
     res = call_verify(args, kw)
     check_structure(res, args[1], args[2], kw["parents"], V)
     assert_outcomes(outcome_counts(res), expected, f"V=1031 {kind}")
+
+
+@pytest.mark.parametrize("siblings", ["iid", "distinct"])
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_later_siblings_decide_by_their_own_coin(kind, siblings, rng):
+    """Three drafted siblings where the second and third are tried against the residual
+    left by the ones before them and accepted with a probability strictly between 0 and 1
+    (with q near p, residuals mostly make that a foregone 0 or 1; the case is searched
+    for, and the search asserts what it found)."""
+    V, k = 8, 3
+    parents = np.full(k, -1, np.int32)
+    for _ in range(20_000):
+        rows = (rng.standard_normal((k + 1, V)) * 1.5).astype(np.float32)
+        q0 = rng.dirichlet(np.full(V, 0.7))
+        tokens = rng.choice(V, size=k, replace=False, p=q0).astype(np.int32)
+        q = np.tile(q0, (k, 1))
+        if siblings == "distinct":  # drawn without replacement
+            for j in range(1, k):
+                q[j, tokens[:j]] = 0.0
+                q[j] /= q[j].sum()
+        q = q.astype(np.float32)
+        q_dense = q.astype(np.float64) / q.astype(np.float64).sum(1, keepdims=True)
+        ratios = acceptance_ratios(ref_probs(rows), parents, tokens, q_dense)
+        if all(coins_decide([r for r in ratios if r[1] == j], 0.15, 0.85, 0.05)
+               for j in (1, 2)):
+            break
+    else:
+        pytest.fail("no case found where the later siblings' coins decide")
+    if kind == "dense":
+        qarg = q
+    else:  # every id listed: the same distribution, by the sparse path
+        ids = np.tile(np.arange(V, dtype=np.int32), (k, 1))
+        qarg = (ids, q)
+    expected = tree_outcomes(ref_probs(rows), parents, tokens, q_dense)
+    args, kw = replicate(rows, tokens, parents, qarg, B_FIXED, rng, kind=kind)
+    res = call_verify(args, kw)
+    check_structure(res, args[1], args[2], kw["parents"], V)
+    assert_outcomes(outcome_counts(res), expected, f"{kind} {siblings} siblings")
 
 
 @pytest.mark.parametrize("kind", ["none", "dense", "sparse"])
