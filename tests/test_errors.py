@@ -346,6 +346,22 @@ def test_malformed_dense_draft_probs(case):
     raises(lambda: sf.verify(**kw), r"draft|prob|sum|negative|nan|finite")
 
 
+@pytest.mark.parametrize("value", [-0.01, np.nan, np.inf], ids=["negative", "nan", "inf"])
+@pytest.mark.parametrize("filt", [dict(top_k=5), dict(top_p=0.5), dict(min_p=0.1)],
+                         ids=["top_k", "top_p", "min_p"])
+def test_malformed_dense_draft_probs_at_a_kept_token_under_a_filter(filt, value):
+    """Under a filter the residual reads q only where a token is kept: a bad value
+    there is an error (the most probable token is kept by every filter)."""
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((2, 64)).astype(np.float32)
+    logits[0, 1] = -np.inf  # the draft (token 1) has p = 0: rejected, the residual formed
+    q = np.full((1, 64), 1 / 64, np.float32)
+    q[0, int(np.argmax(logits[0]))] = value
+    kw = dict(target_logits=logits, draft_tokens=np.array([1], np.int32),
+              num_draft=np.array([1], np.int32), draft_probs=q, **filt)
+    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+
+
 MASS_ONE = 1 << 40
 MASS_TOL = MASS_ONE // 1000
 

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 import specfast as sf
+from reference import ref_probs_row
+from stats import assert_rate
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INT64_MAX = 2**63 - 1
@@ -72,6 +74,30 @@ def test_temperature_whose_scale_overflows(T):
     r = sf.verify(np.concatenate([x[:1], x[:1]]), np.array([1]), np.array([1]),
                   temperature=T)
     assert r.num_accepted[0] == 1 and list(r.tokens[0]) == [1, 1]
+
+
+def test_subnormal_temperature_keeps_one_scale():
+    """Found by review: below T ~ 4e-39, 1 / T and log2(e) / T were capped at FLT_MAX
+    each, so the weights 2^((l - max) c) and the coupled keys (l - max) / T used
+    temperatures a factor log2(e) apart (coupled drew token 1 below 0.033 of the time,
+    rejection 0.086); and the large top-k / top-p cut took tokens below max - 88 T to
+    weigh 0, which at the cap kept every token (top_k = 4500 kept 6000). Both follow the
+    capped 1 / T now, the temperature a tiny T acts as."""
+    T, t_eff = 1e-40, 1.0 / np.float64(np.float32(2.3586574e38))  # 1 / SF_INV_T_MAX
+    x = np.full((1, 6000), -1e-38, np.float32)
+    x[0, 0] = 0.0
+    p = sf.probs(x, temperature=T)[0]
+    np.testing.assert_allclose(p, ref_probs_row(x[0], t_eff), rtol=1e-4)
+    assert np.count_nonzero(sf.probs(x, temperature=T, top_k=4500)) == 4500
+    np.testing.assert_allclose(sf.probs(x, temperature=T, top_p=0.5)[0],
+                               ref_probs_row(x[0], t_eff, top_p=0.5), rtol=1e-4)
+    n = 40_000
+    two = np.tile(np.array([[0.0, -1e-38]], np.float32), (n, 1))
+    want = ref_probs_row(two[0], t_eff)
+    seeds = np.arange(n, dtype=np.uint64)
+    for method in ("rejection", "coupled"):
+        t = sf.sample(two, temperature=T, seed=seeds, position=7, method=method)
+        assert_rate(int(np.sum(t == 1)), n, want[1], f"{method} at T = {T}")
 
 
 def test_temperature_above_the_cap():

@@ -53,12 +53,15 @@ SF_HD int sf_params_ok(float temperature, int32_t top_k, float top_p, float min_
 #define SF_EXP2_MIN (-125.0f)
 #define SF_LOG2E 1.44269504088896341f
 
-/* 1 / T for T > 0, capped at FLT_MAX (as log2(e) / T must be too): a
- * temperature so small that they overflow keeps its limit, all mass on the
- * tied maxima, instead of turning 0 * inf into NaN. */
+/* 1 / T for T > 0, capped at FLT_MAX ln 2: a temperature so small that it
+ * overflows keeps its limit, all mass on the tied maxima, instead of turning
+ * 0 * inf into NaN. At the cap log2(e) / T (the weights' scale, rounded in
+ * float) is still finite, so the weights 2^((l - max) log2(e) / T) and the
+ * coupled keys (l - max) / T keep one temperature below it too. */
+#define SF_INV_T_MAX 2.3586574e38f
 SF_HD float sf_inv_temperature(float t) {
     float inv = 1.0f / t;
-    return inv <= 3.40282347e38f ? inv : 3.40282347e38f;
+    return inv <= SF_INV_T_MAX ? inv : SF_INV_T_MAX;
 }
 
 /* Purposes: independent random streams at one (seed, position). */

@@ -33,9 +33,15 @@ static const sf_kernels *pick(void) {
 }
 
 const sf_kernels *sf_cpu_kernels(void) {
-    static const sf_kernels *chosen; /* benign race: every thread picks the same */
-    if (!chosen) chosen = pick();
-    return chosen;
+    /* Threads may race to pick; each picks the same, and the atomics make the
+     * race defined. */
+    static const sf_kernels *chosen;
+    const sf_kernels *k = __atomic_load_n(&chosen, __ATOMIC_ACQUIRE);
+    if (!k) {
+        k = pick();
+        __atomic_store_n(&chosen, k, __ATOMIC_RELEASE);
+    }
+    return k;
 }
 
 SF_API const char *sf_simd_level(void) { return sf_cpu_kernels()->name; }

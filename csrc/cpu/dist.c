@@ -222,11 +222,12 @@ static void mass_above(const sf_kernels *k, const sf_row *r, float t, int32_t id
  * or, when goal_count > 0, a count (a large top-k). Bisects on the logit until
  * few tokens lie between the pivots, then sorts just those. Counts and masses
  * are exact integers, so the cut is the same whatever the order of the
- * passes. Tokens below max - 88 T weigh 0: a cut among them changes no
- * probability, so a count reaching below there keeps the whole row. */
+ * passes. Tokens below max - 128 / c weigh 0 (2^-128 of the max): a cut
+ * among them changes no probability, so a count reaching below there keeps
+ * the whole row. */
 static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
-                          float temperature, double goal_mass, int64_t goal_count) {
-    float lo = r->max - 88.0f * temperature;
+                          double goal_mass, int64_t goal_count) {
+    float lo = r->max - 128.0f / r->c;
     if (!(lo > -FLT_MAX)) lo = -FLT_MAX;
     uint64_t m_hi = 0, m_mid;
     int64_t c_lo, c_hi = 0, c_mid;
@@ -274,7 +275,6 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->vocab = vocab;
     r->inv_t = sf_inv_temperature(p->temperature);
     r->c = SF_FMUL(r->inv_t, SF_LOG2E);
-    if (!(r->c <= FLT_MAX)) r->c = FLT_MAX;
     r->cut_logit = -INFINITY;
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;
@@ -321,7 +321,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         if (m == -INFINITY) return SF_ERR_ALL_MASKED;
         r->max = m;
         if (p->top_k > 0 && p->top_k < vocab) {
-            sf_status st = cut_scan(r, k, s, p->temperature, 0.0, p->top_k);
+            sf_status st = cut_scan(r, k, s, 0.0, p->top_k);
             if (st != SF_OK) return st;
         }
     }
@@ -335,8 +335,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
             uint64_t kept_mass;
             int64_t kept_count;
             mass_above(k, r, r->cut_logit, r->cut_id, &kept_mass, &kept_count);
-            sf_status st = cut_scan(r, k, s, p->temperature,
-                                    (double)p->top_p * (double)kept_mass, 0);
+            sf_status st = cut_scan(r, k, s, (double)p->top_p * (double)kept_mass, 0);
             if (st != SF_OK) return st;
         }
     }

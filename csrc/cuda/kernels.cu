@@ -495,7 +495,6 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_pa
         d.r.max = m;
         d.r.inv_t = sf_inv_temperature(p.temperature);
         d.r.c = SF_FMUL(d.r.inv_t, SF_LOG2E);
-        if (!(d.r.c <= 3.40282347e38f)) d.r.c = 3.40282347e38f;
         d.r.cut_logit = -INFINITY;
         d.r.cut_id = INT32_MAX;
         d.r.min_e = 0.0f;

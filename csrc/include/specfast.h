@@ -154,7 +154,11 @@ typedef struct sf_error {
 /* Verifies every request's draft chain or tree and emits its tokens.
  * `params` holds values for `draft->batch` requests. The target distribution
  * of a row is sf_probs' (temperature, then top_k, top_p, min_p). Returns
- * SF_OK, or the first error met in request order. */
+ * SF_OK, or the first error found, in this order of checks: the arguments,
+ * every request's parameters, every request's draft counts and shapes, every
+ * request's tokens, parents and sparse draft probabilities, then the values
+ * each row holds as it is read (logits, dense draft probabilities); within a
+ * check, the lowest request. */
 SF_API sf_status sf_verify(const sf_logits *logits, const sf_draft *draft,
                            const sf_params *params, sf_method method,
                            sf_verify_out *out, sf_error *err);

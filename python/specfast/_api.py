@@ -497,8 +497,11 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     (``V / 32`` for block sums; ``8 * V`` with dense draft probabilities; up to
     ``16 * V`` for the cut of ``top_p`` without ``top_k`` or of ``top_k > 4096``)
     plus ``16 * K`` bytes per draft node with :class:`SparseProbs` of width K.
-    Dense draft probabilities are checked at the drafted token, and over the whole
-    row where a residual is formed (values in [0, 1], summing to 1 within 1e-3).
+    In rejection sampling, dense draft probabilities are checked at the drafted
+    token, and where a residual is formed at every token the filters keep (values
+    in [0, 1]); their sum (1 within 1e-3) only where no filter is set, since under
+    ``top_k``, ``top_p`` or ``min_p`` only the kept tokens are read. Greedy and
+    coupled verification do not read draft probabilities.
 
     Examples
     --------
