@@ -407,9 +407,13 @@ def test_chains_of_64(rng):
     toks = np.concatenate([row_tok[rows[b]:rows[b] + N] for b in range(B)]).astype(np.int32)
     r = sf.verify(x, toks, nd, method="coupled", seed=3, position=10)
     assert np.all(r.num_accepted == N)
-    # rejection with q = one-hot and p concentrated on the draft accepts with p(x)
-    r = sf.verify(x * 50, toks, nd, seed=3)
-    check_structure(r, toks, nd, None, V)
+    # rejection, one-hot q: each draft is accepted with probability p(x) = 1 where the
+    # logits make it the argmax by a wide margin (the greedy drafts of above)
+    argmax = np.concatenate([np.argmax(x[rows[b]:rows[b] + N], axis=1)
+                             for b in range(B)]).astype(np.int32)
+    r = sf.verify(x * 1e4, argmax, nd, seed=3)
+    check_structure(r, argmax, nd, None, V)
+    assert np.all(r.num_accepted == N)
 
 
 def test_draft_limit_per_request(rng):

@@ -81,6 +81,7 @@ def link(request):
         proxies.append(DelayProxy(("127.0.0.1", port), delay=request.param / 2000))
         return proxies[-1].port
 
+    wrap.proxies = proxies  # their byte counters: what crossed the link
     yield wrap
     for p in proxies:
         p.close()
@@ -99,6 +100,10 @@ def test_coupled_draft_model_equals_local(target, draft_model, payload, link):
         # the same drafts were proposed, so the same ones were accepted
         assert [g.metrics.draft_n_accepted for g in got] == \
             [g.metrics.draft_n_accepted for g in want]
+        if link.proxies:  # the messages counted went through the link, inside gRPC's framing
+            wire = sum(p.bytes_up + p.bytes_down for p in link.proxies)
+            assert 0 < d.stats.total_bytes <= wire < 3 * d.stats.total_bytes + 20_000, \
+                (d.stats.as_dict(), wire)
     finally:
         server.stop(0)
 

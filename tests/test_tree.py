@@ -1,5 +1,7 @@
 """Tree attention masks, positions and KV compaction against plain references."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -99,7 +101,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_kv_compact_matches_gather(layout, dtype):
     shape, ba, sa = LAYOUTS[layout]
-    rng = np.random.default_rng(hash(layout) % 1000)
+    rng = np.random.default_rng(zlib.crc32(layout.encode()))
     cache = rng.standard_normal(shape).astype(dtype) if dtype != np.int16 else \
         rng.integers(-30000, 30000, shape).astype(np.int16)
     batch, seq = shape[ba], shape[sa]
