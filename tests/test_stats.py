@@ -87,6 +87,20 @@ def test_helpers_reject_a_one_percent_error(n):
             assert_samples(rng.choice(12, size=n, p=bad), P12, "perturbed")
 
 
+def test_helpers_reject_a_one_percent_error_spread_over_every_token():
+    """The hardest 1% to see: total variation 0.01 spread over all 12 tokens in
+    proportion to their probabilities. 1e5 draws see it about half the time; the main
+    fixed-draft tests draw 3e5."""
+    rng = np.random.default_rng(4)
+    signs = np.array([1, -1] * 6)
+    for shift in (signs, -signs, np.roll(signs, 3)):
+        bad = P12 * (1 + 0.02 * shift)
+        bad /= bad.sum()
+        assert 0.5 * np.abs(bad - P12).sum() >= 0.009
+        with pytest.raises(AssertionError):
+            assert_samples(rng.choice(12, size=300_000, p=bad), P12, "spread")
+
+
 def test_helpers_reject_draws_on_zero_probability():
     p = np.array([0.5, 0.5, 0.0])
     with pytest.raises(AssertionError, match="zero-probability"):

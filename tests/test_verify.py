@@ -42,7 +42,7 @@ from reference import (
 )
 from stats import assert_outcomes, assert_rate, assert_samples, assert_transitions, scaled
 
-B_FIXED = scaled(100_000)  # copies of one request with fixed drafts
+B_FIXED = scaled(300_000)  # copies of one request with fixed drafts
 B_TOY = scaled(60_000)  # requests with random drafts
 
 
