@@ -261,6 +261,43 @@ def test_fixed_drafts_exact_outcomes_wide_vocab(kind, rng):
     assert_outcomes(outcome_counts(res), expected, f"V=1031 {kind}")
 
 
+@pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize("filters", [{}, dict(top_k=50, top_p=0.9)], ids=["plain", "filtered"])
+def test_lone_request_at_a_wide_vocabulary_follows_the_residual(filters, rng):
+    """One request per call at V = 40003: its rows are split across the pool's threads
+    (max, bound and exact passes, the residual and the draw). The outcome (accepted or
+    not, emitted token) follows recursive rejection sampling exactly; tokens of
+    probability below 2e-3 are pooled into one outcome per path."""
+    sf.set_num_threads(2)
+    V, n = 40003, scaled(30_000)
+    row = rng.standard_normal(V).astype(np.float32)
+    hot = rng.choice(V, 6, replace=False)
+    row[hot] += np.array([7, 6.5, 6, 5.5, 5, 4.5], np.float32)
+    x = int(hot[0])
+    logits = np.stack([row, row])
+    if filters:
+        filters = dict(filters, top_p=safe_params(row, 1.0, 50, 0.9)[0])
+    p = ref_probs_row(row, **filters)
+    q = np.full(V, (1 - 2 * p[x]) / (V - 1))
+    q[x] = 2 * p[x]  # accepted half the time
+    q = (q / q.sum()).astype(np.float32)
+    exact = tree_outcomes(np.stack([p, p]), chain_parents(1), np.array([x]),
+                          q[None].astype(np.float64))
+    assert 0.2 < sum(v for (path, _), v in exact.items() if not path) < 0.8
+    pool = lambda key: key if exact.get(key, 0) > 2e-3 else (key[0], "rest")
+    expected = {}
+    for key, v in exact.items():
+        expected[pool(key)] = expected.get(pool(key), 0.0) + v
+    observed = {}
+    for i in range(n):
+        r = sf.verify(logits, np.array([x], np.int32), np.array([1], np.int32),
+                      draft_probs=q[None], seed=i, position=11, **filters)
+        a = int(r.num_accepted[0])
+        key = pool((tuple(range(a)), int(r.tokens[0, a])))
+        observed[key] = observed.get(key, 0) + 1
+    assert_outcomes(observed, expected, f"lone V={V} {filters}")
+
+
 @pytest.mark.parametrize("siblings", ["iid", "distinct"])
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_later_siblings_decide_by_their_own_coin(kind, siblings, rng):
