@@ -21,6 +21,7 @@ from specfast.adapters.hf import HFModel  # noqa: E402
 from specfast.decoder import DraftLength, SpeculativeDecoder  # noqa: E402
 from specfast.drafters import Draft, ModelDrafter, NgramDrafter  # noqa: E402
 
+from reference import ref_probs_row  # noqa: E402
 from stats import assert_outcomes, scaled  # noqa: E402
 
 
@@ -64,14 +65,15 @@ def full_logits(adapter, ids):
     return out.logits[0, -1:].float().numpy()
 
 
-def two_token_joint(target, prompt):
-    """The exact distribution of the first two tokens after ``prompt``."""
-    p1 = specfast.probs(full_logits(target, prompt))[0]
+def two_token_joint(target, prompt, **params):
+    """The exact distribution of the first two tokens after ``prompt`` (float64
+    reference of the sampling parameters, not specfast's kernels)."""
+    p1 = ref_probs_row(full_logits(target, prompt)[0], **params)
     expected = {}
-    for a in range(len(p1)):
-        p2 = specfast.probs(full_logits(target, prompt + [a]))[0]
-        for b in range(len(p2)):
-            expected[(a, b)] = float(p1[a] * p2[b])
+    for a in np.nonzero(p1)[0]:
+        p2 = ref_probs_row(full_logits(target, prompt + [int(a)])[0], **params)
+        for b in np.nonzero(p2)[0]:
+            expected[(int(a), int(b))] = float(p1[a] * p2[b])
     return expected
 
 
@@ -116,9 +118,11 @@ def test_coupled_matches_plain_coupled_sampling(target, draft_model, drafter, pa
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_batch_matches_single_prompts(target, draft_model, drafter):
     """Ragged prompts, different acceptance per row, rows finishing early: each
-    row equals its own single-prompt run (greedy and coupled)."""
+    row equals its own single-prompt run (greedy, coupled, and rejection sampling,
+    whose streams are keyed by seed and position, not by the batch)."""
     make = (lambda: NgramDrafter()) if drafter == "ngram" else (lambda: ModelDrafter(draft_model))
-    for kw in (dict(), dict(temperature=1.0, method="coupled")):
+    for kw in (dict(), dict(temperature=1.0, method="coupled"),
+               dict(temperature=0.9, top_p=0.9, method="rejection")):
         seeds = [11, 12, 13, 14]
         singles = [SpeculativeDecoder(target, make(), k=4).generate(p, 40, seed=s, **kw).tokens
                    for p, s in zip(PROMPTS, seeds)]
@@ -139,19 +143,72 @@ def test_batch_rows_finish_at_different_times(target):
     assert out[0].finish_reason == "eos" and eos_token not in out[0].tokens
 
 
+@pytest.mark.parametrize("params", [dict(temperature=1.0),
+                                    dict(temperature=0.8, top_k=4, top_p=0.95, min_p=0.02)],
+                         ids=["t1", "filters"])
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
-def test_rejection_sampling_is_exact(drafter):
-    """The joint distribution of the first two tokens equals the target's."""
+def test_rejection_sampling_is_exact(drafter, params):
+    """The joint distribution of the first two tokens equals the target's (a smoke
+    test of the whole loop; test_rejection_passes_exact_rows_to_verify pins the
+    inputs of every verification exactly)."""
     target, draft = tiny_model(vocab=6, seed=3, scale=0.4), tiny_model(vocab=6, seed=4, scale=0.4)
     prompt = [1, 2, 1, 2, 1]
     n = scaled(6000)
     d = NgramDrafter(max_ngram=2, min_ngram=1) if drafter == "ngram" else ModelDrafter(draft)
     out = SpeculativeDecoder(target, d, k=2).generate(
-        [prompt] * n, 2, temperature=1.0, seed=list(range(n)), method="rejection")
-    assert_outcomes([tuple(g.tokens) for g in out], two_token_joint(target, prompt),
-                    f"rejection/{drafter}")
+        [prompt] * n, 2, seed=list(range(n)), method="rejection", **params)
+    assert_outcomes([tuple(g.tokens) for g in out], two_token_joint(target, prompt, **params),
+                    f"rejection/{drafter}/{params}")
     total = sum(g.metrics.draft_n for g in out)
     assert total > 0  # the drafter really drafted
+
+
+@pytest.mark.parametrize("sparse_top", [0, 5], ids=["dense", "sparse"])
+def test_rejection_passes_exact_rows_to_verify(target, draft_model, monkeypatch, sparse_top):
+    """Every verification of a rejection-mode batch gets, per request, the target's
+    logits after the context and each drafted prefix, the draft model's exact filtered
+    distribution at each drafted token (float64 reference of full forwards, no cache),
+    the request's own seed and sampling parameters, and position = context length."""
+    params = dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.02)
+    seeds, prompts, n_new = [3, 4], [PROMPTS[0], PROMPTS[2]], 12
+    calls = []
+    real = specfast._api.verify
+
+    def spy(logits, tokens, num_draft, **kw):
+        r = real(logits, tokens, num_draft, **kw)
+        calls.append((np.array(logits), np.array(tokens), np.array(num_draft), kw, r))
+        return r
+
+    monkeypatch.setattr(specfast._api, "verify", spy)
+    out = SpeculativeDecoder(target, ModelDrafter(draft_model, sparse_top=sparse_top), k=3) \
+        .generate(prompts, n_new, seed=seeds, method="rejection", **params)
+    ctx = [list(p) for p in prompts]
+    live, drafted = [0, 1], 0
+    for logits, toks, nd, kw, r in calls:
+        assert kw["method"] == "rejection"
+        q = kw["draft_probs"]
+        if sparse_top and q is not None:  # None: a step without drafts
+            q = q.dense(target.vocab_size)
+        row = off = 0
+        for j, i in enumerate(live):
+            assert kw["position"][j] == len(ctx[i]) and kw["seed"][j] == seeds[i]
+            assert kw["temperature"][j] == np.float32(0.9) and kw["top_k"][j] == 8
+            for a in range(nd[j] + 1):
+                prefix = ctx[i] + [int(t) for t in toks[off:off + a]]
+                np.testing.assert_allclose(logits[row + a], full_logits(target, prefix)[0],
+                                           rtol=1e-5, atol=1e-5)
+                if a < nd[j]:
+                    # with sparse_top the drafter's own top_k is at most sparse_top
+                    want = ref_probs_row(full_logits(draft_model, prefix)[0],
+                                         **dict(params, top_k=sparse_top or params["top_k"]))
+                    np.testing.assert_allclose(q[off + a], want, atol=2e-6)
+            ctx[i] += [int(t) for t in r.tokens[j, :r.num_accepted[j] + 1]]
+            drafted += int(nd[j])
+            off += nd[j]
+            row += nd[j] + 1
+        live = [i for i in live if len(ctx[i]) - len(prompts[i]) < n_new]
+    assert not live and drafted > 0
+    assert [c[len(p):] for c, p in zip(ctx, prompts)] == [g.tokens for g in out]
 
 
 def test_stream_and_stop(target):
