@@ -67,3 +67,33 @@ def test_coupled_matches_plain_coupled(smol, drafter):
     want = SpeculativeDecoder(smol).generate(ids, 24, **kw).tokens
     d = NgramDrafter() if drafter == "ngram" else ModelDrafter(smol)
     assert SpeculativeDecoder(smol, d, k=3).generate(ids, 24, **kw).tokens == want
+
+
+def test_text_prompt_stream_and_stop_as_the_readme_shows(smol):
+    """A plain string is chat-templated (the ids the tokenizer's own template gives);
+    the streamed text adds up to the returned text; a stop string cuts the text before
+    it and ends the tokens with the one that completes it, as plain decoding does."""
+    text = "Write one sentence about the sea."
+    want_ids = smol.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    want_ids = list(getattr(want_ids, "input_ids", want_ids))
+    assert smol.encode(text) == want_ids
+    plain = SpeculativeDecoder(smol).generate(want_ids, 24)
+    assert plain.text == smol.tokenizer.decode(plain.tokens, skip_special_tokens=True)
+    pieces = []
+    spec = SpeculativeDecoder(smol, NgramDrafter()).generate(
+        text, 24, stream=lambda i, toks, delta: pieces.append((i, list(toks), delta)))
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    assert "".join(d for _, _, d in pieces) == spec.text
+    assert [t for _, toks, _ in pieces for t in toks] == spec.tokens
+    # a stop string spanning tokens, first met well inside the text
+    start = plain.text.find(" ", 12)
+    stop = plain.text[start:start + 6]
+    assert len(stop) == 6 and plain.text.find(stop) == start
+    pieces.clear()
+    cut = SpeculativeDecoder(smol, NgramDrafter()).generate(
+        text, 24, stop=[stop], stream=lambda i, toks, delta: pieces.append(delta))
+    assert cut.finish_reason == "stop" and cut.text == plain.text[:start]
+    n = next(n for n in range(1, 25) if stop in smol.decode(plain.tokens[:n]))
+    assert cut.tokens == plain.tokens[:n]
+    assert "".join(pieces) == cut.text
