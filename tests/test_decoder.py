@@ -211,6 +211,24 @@ def test_rejection_passes_exact_rows_to_verify(target, draft_model, monkeypatch,
     assert [c[len(p):] for c, p in zip(ctx, prompts)] == [g.tokens for g in out]
 
 
+def test_generate_edges(target):
+    """No new tokens, a seed list of the wrong length, and eos=False running past the
+    end-of-sequence token."""
+    dec = SpeculativeDecoder(target, NgramDrafter())
+    g = dec.generate(PROMPTS[0], 0)
+    assert g.tokens == [] and g.metrics.tokens == 0 and g.metrics.target_steps == 0
+    with pytest.raises(ValueError, match="3 seeds for 2 prompts"):
+        dec.generate(PROMPTS[:2], 4, seed=[1, 2, 3])
+    want = dec.generate(PROMPTS[0], 12).tokens
+    target.eos_token_ids = [want[3]]
+    try:
+        assert dec.generate(PROMPTS[0], 12).tokens == want[:want.index(want[3])]
+        g = dec.generate(PROMPTS[0], 12, eos=False)
+        assert g.tokens == want and g.finish_reason == "length"
+    finally:
+        target.eos_token_ids = []
+
+
 def test_stream_and_stop(target):
     chunks = []
     dec = SpeculativeDecoder(target, NgramDrafter())

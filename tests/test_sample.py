@@ -93,6 +93,24 @@ LARGE_FILTERS = {
 }
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_sample_large_vocab_distribution(method, rng):
+    """1e5 draws from one V = 32000 row (a flat tail under 40 graded tokens): the 40 and
+    the tail follow p closely enough to see a 1% error (test_sample_large_vocab below
+    checks the support of every filter at V = 128256 with few draws)."""
+    V, chunk, n = 32000, 1000, scaled(100_000)
+    x = rng.standard_normal(V).astype(np.float32)
+    graded = rng.choice(V, 40, replace=False)
+    x[graded] += np.linspace(7.0, 3.0, 40, dtype=np.float32)
+    p = ref_probs_row(x, temperature=0.9)
+    rows = np.repeat(x[None], chunk, axis=0)
+    tokens = np.concatenate([
+        sf.sample(rows, temperature=0.9, seed=21, position=np.arange(s, s + chunk),
+                  method=method) for s in range(0, n, chunk)])
+    counts = np.array([(tokens == c).sum() for c in graded] + [(~np.isin(tokens, graded)).sum()])
+    assert_counts(counts, np.append(p[graded], 1 - p[graded].sum()), f"{method} V={V}")
+
+
 @pytest.mark.parametrize("filters", list(LARGE_FILTERS.values()), ids=list(LARGE_FILTERS))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("vocab", [32000, 128256], ids=lambda v: f"V={v}")

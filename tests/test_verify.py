@@ -927,6 +927,14 @@ def test_result_layout_with_zero_drafts(rng):
     assert res.tokens[0, 1] == -1 and res.tokens[2, 1] == -1
 
 
+def test_sparse_probs_dense_rows():
+    q = sf.SparseProbs(np.array([[4, -1, 0], [2, 1, 3]]),
+                       np.array([[0.75, 0, 0.25], [0.5, 0.25, 0.25]]))
+    np.testing.assert_array_equal(q.dense(5), np.array([[0.25, 0, 0, 0, 0.75],
+                                                        [0, 0.25, 0.5, 0.25, 0]], np.float32))
+    assert q.dense(5).dtype == np.float32
+
+
 def test_default_method_is_rejection(rng):
     reqs = [random_request(rng, 9, 4, tree=True) for _ in range(300)]
     args, kw = pack(reqs, "dense")
