@@ -112,6 +112,44 @@ def test_kv_compact_matches_gather(layout, dtype):
     np.testing.assert_array_equal(cache, expect)
 
 
+@pytest.mark.parametrize("view", ["transposed", "every-other-batch-row"])
+def test_kv_compact_moves_within_strided_views(view):
+    """A view whose axes before the sequence are strided (not the trailing ones) is
+    compacted in place, and memory outside the view is untouched."""
+    base = np.arange(4 * 9 * 2 * 3, dtype=np.float32).reshape(4, 9, 2, 3)
+    if view == "transposed":  # (batch, seq, heads, d) seen as (batch, heads, seq, d)
+        whole = base.copy()
+        cache = whole.transpose(0, 2, 1, 3)
+    else:
+        whole = np.arange(8 * 2 * 9 * 3, dtype=np.float32).reshape(8, 2, 9, 3)
+        cache = whole[::2]
+    before = whole.copy()
+    nodes, acc, roots = np.array([[1, 3], [0, -1], [2, 4], [0, 1]]), [2, 1, 2, 2], [0, 1, 2, 3]
+    expect = reference_compact(np.ascontiguousarray(cache), nodes, acc, roots, 0, 2)
+    specfast.kv_compact(cache, nodes, acc, roots, batch_axis=0, seq_axis=2)
+    np.testing.assert_array_equal(cache, expect)
+    if view != "transposed":
+        np.testing.assert_array_equal(whole[1::2], before[1::2])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_kv_compact_on_other_devices_moves_as_on_cpu(layout):
+    """The torch path used for tensors off the CPU (run here on CPU tensors)."""
+    torch = pytest.importorskip("torch")
+    from specfast._tree import _kv_compact_torch, _paths
+
+    shape, ba, sa = LAYOUTS[layout]
+    rng = np.random.default_rng(zlib.crc32(layout.encode()) + 1)
+    cache = rng.standard_normal(shape).astype(np.float32)
+    batch, seq = shape[ba], shape[sa]
+    roots = rng.integers(0, seq // 2, batch)
+    nodes, acc = random_paths(rng, batch, 9, seq, roots)
+    expect = reference_compact(cache, nodes, acc, roots, ba, sa)
+    t = torch.from_numpy(cache.copy())
+    _kv_compact_torch(t, *_paths(nodes, acc, roots), ba, sa)
+    np.testing.assert_array_equal(t.numpy(), expect)
+
+
 def test_kv_compact_torch_bfloat16_in_place():
     torch = pytest.importorskip("torch")
     cache = torch.randn(2, 4, 12, 6, dtype=torch.bfloat16)
