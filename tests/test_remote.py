@@ -126,6 +126,24 @@ def test_topk_rejection_sampling_is_exact(link):
                     "rejection/remote-topk")
 
 
+@pytest.mark.parametrize("payload", ["dense", "topk"])
+def test_rejection_sampling_equals_local_drafting(target, draft_model, payload):
+    """The same draws as a local drafter reporting the same q (the full distribution, or
+    its top 8): the same tokens, seed for seed."""
+    server, port = serve(lambda: ModelDrafter(draft_model))
+    try:
+        kw = dict(temperature=0.9, top_p=0.95, seed=[7, 8, 9, 10], method="rejection")
+        d = remote(port, target, payload=payload)
+        got = SpeculativeDecoder(target, d, k=3).generate(PROMPTS, 24, **kw)
+        assert d.stats.local_steps == 0 and d.stats.drafted > 0
+    finally:
+        server.stop(0)
+    local = ModelDrafter(draft_model, sparse_top=8 if payload == "topk" else 0)
+    want = SpeculativeDecoder(target, local, k=3).generate(PROMPTS, 24, **kw)
+    assert [g.tokens for g in got] == [g.tokens for g in want]
+    assert [g.metrics.draft_n_accepted for g in got] == [g.metrics.draft_n_accepted for g in want]
+
+
 def test_tokens_payload_refuses_rejection_with_a_sampling_drafter(target, draft_model):
     server, port = serve(lambda: ModelDrafter(draft_model))
     try:
@@ -301,6 +319,10 @@ def test_lookahead_serves_steps_without_a_round_trip(target, draft_model, payloa
             for prompt, s, g in zip(PROMPTS, sampling.get("seed", [0, 0]), got):
                 assert g.tokens == reference(target, prompt, 30, seed=s, method="coupled",
                                              temperature=sampling.get("temperature", 0.0))
+        else:  # the drafts drawn ahead are the ones a local top-8 drafter draws
+            local = SpeculativeDecoder(target, ModelDrafter(target, sparse_top=8), k=3)
+            assert [g.tokens for g in got] == \
+                [g.tokens for g in local.generate(PROMPTS[:2], 30, **sampling)]
         assert d.stats.ahead_hits > 0 and d.stats.local_steps == 0, d.stats.as_dict()
     finally:
         server.stop(0)
