@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from specfast.decoder import SpeculativeDecoder  # noqa: E402
 from specfast.drafters import ModelDrafter, NgramDrafter, Sampling  # noqa: E402
 
+from reference import ref_probs_row  # noqa: E402
 from stats import assert_outcomes, scaled  # noqa: E402
 from test_decoder import (PROMPTS, full_logits, one_thread, reference,  # noqa: E402,F401
                           target, tiny_model, two_token_joint)
@@ -181,6 +182,32 @@ def test_model_tree_draws_siblings_without_replacement():
     again = ModelDrafter(draft.model, branches=3)
     again.start([ctx], [s])
     assert again.propose([ctx], [7], [s])[0].tokens == d.tokens  # reproducible
+
+
+def test_model_tree_siblings_follow_what_they_report():
+    """Over many seeds the root's first two children are distributed as draws without
+    replacement from the draft model's filtered distribution q (float64 reference of
+    a full forward): P(a, b) = q(a) q(b) / (1 - q(a)); and each reports exactly the
+    distribution it was drawn from."""
+    model = tiny_model(vocab=12, seed=5, layers=1)
+    params = dict(temperature=0.9, top_k=8)
+    ctx, n = [1, 2, 3, 4], scaled(20_000)
+    q = ref_probs_row(full_logits(model, ctx)[0], **params)
+    s = [Sampling(seed=i, method="rejection", **params) for i in range(n)]
+    draft = ModelDrafter(model, branches=3)
+    draft.start([ctx] * n, s)
+    pairs = []
+    for d in draft.propose([ctx] * n, [3] * n, s):
+        first, second = [j for j, p in enumerate(d.parents) if p == -1][:2]
+        a, b = d.tokens[first], d.tokens[second]
+        np.testing.assert_allclose(d.probs[first], q, atol=2e-6)
+        rest = np.where(np.arange(len(q)) == a, 0.0, q)
+        np.testing.assert_allclose(d.probs[second], rest / rest.sum(), atol=2e-6)
+        pairs.append((a, b))
+    expected = {(a, b): q[a] * q[b] / (1 - q[a])
+                for a in np.nonzero(q)[0] for b in np.nonzero(q)[0] if a != b}
+    assert_outcomes(pairs, {(int(a), int(b)): v for (a, b), v in expected.items()},
+                    "first two siblings")
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
