@@ -186,13 +186,21 @@ def test_model_tree_draws_siblings_without_replacement():
 
 def test_model_tree_siblings_follow_what_they_report():
     """Over many seeds the root's first two children are distributed as draws without
-    replacement from the draft model's filtered distribution q (float64 reference of
-    a full forward): P(a, b) = q(a) q(b) / (1 - q(a)); and each reports exactly the
+    replacement: the first from the draft model's filtered distribution q (float64
+    reference of a full forward), the second from the filters applied again with the
+    first masked out, q_a; P(a, b) = q(a) q_a(b). Each reports exactly the
     distribution it was drawn from."""
     model = tiny_model(vocab=12, seed=5, layers=1)
     params = dict(temperature=0.9, top_k=8)
     ctx, n = [1, 2, 3, 4], scaled(20_000)
-    q = ref_probs_row(full_logits(model, ctx)[0], **params)
+    logits = full_logits(model, ctx)[0]
+    q = ref_probs_row(logits, **params)
+
+    def without(a):
+        masked = logits.copy()
+        masked[a] = -np.inf
+        return ref_probs_row(masked, **params)
+
     s = [Sampling(seed=i, method="rejection", **params) for i in range(n)]
     draft = ModelDrafter(model, branches=3)
     draft.start([ctx] * n, s)
@@ -201,13 +209,14 @@ def test_model_tree_siblings_follow_what_they_report():
         first, second = [j for j, p in enumerate(d.parents) if p == -1][:2]
         a, b = d.tokens[first], d.tokens[second]
         np.testing.assert_allclose(d.probs[first], q, atol=2e-6)
-        rest = np.where(np.arange(len(q)) == a, 0.0, q)
-        np.testing.assert_allclose(d.probs[second], rest / rest.sum(), atol=2e-6)
+        np.testing.assert_allclose(d.probs[second], without(a), atol=2e-6)
         pairs.append((a, b))
-    expected = {(a, b): q[a] * q[b] / (1 - q[a])
-                for a in np.nonzero(q)[0] for b in np.nonzero(q)[0] if a != b}
-    assert_outcomes(pairs, {(int(a), int(b)): v for (a, b), v in expected.items()},
-                    "first two siblings")
+    expected = {}
+    for a in np.nonzero(q)[0]:
+        qa = without(a)
+        for b in np.nonzero(qa)[0]:
+            expected[(int(a), int(b))] = q[a] * qa[b]
+    assert_outcomes(pairs, expected, "first two siblings")
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])

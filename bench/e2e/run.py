@@ -58,12 +58,13 @@ def hf_generate(target, ids, max_new, **kw):
 
 def llama_generate(llm, ids, max_new, eos):
     """llama-cpp-python's own greedy loop (plain, or with the prompt-lookup draft
-    model the Llama object was built with)."""
+    model the Llama object was built with), ending at any end-of-generation token
+    in ``eos`` as specfast's loop does."""
     def run():
         llm.reset()
         out = []
         for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            if t == eos or len(out) == max_new:
+            if t in eos or len(out) == max_new:
                 break
             out.append(t)
         return out
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
                     target, ids, n, assistant_model=assistant)))
         if llama is not None:
             lids = llama["target"].encode(w["messages"])
-            eos = llama["target"].eos_token_ids[0]
+            eos = set(llama["target"].eos_token_ids)
             methods += [
                 ("llama_plain", lambda i=lids, n=n, e=eos: llama_generate(llama["plain"], i, n, e)),
                 ("llama_lookup_10", lambda i=lids, n=n, e=eos: llama_generate(
