@@ -6,6 +6,7 @@
  *
  *   cc -O2 -I csrc/include bench/ab/ab.c -o /tmp/ab -ldl
  *   /tmp/ab INPUT THREADS build-a/libspecfast.so build-b/libspecfast.so ...
+ *   (AB_METHOD=coupled times coupled verification)
  *
  * Each library is loaded with RTLD_LOCAL (its own pool); a short sleep
  * between blocks lets the previous library's spinning workers go to sleep.
@@ -15,6 +16,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -88,9 +90,11 @@ int main(int argc, char **argv) {
     const sf_params p = {&one, 1, &top_k, 1, &top_p, 1, &zero, 1, seeds, batch, positions, batch};
     sf_verify_out o = {out_tokens, out_acc, out_nodes, k};
 
+    const char *m = getenv("AB_METHOD"); /* "coupled", or rejection by default */
+    const sf_method method = m && strcmp(m, "coupled") == 0 ? SF_COUPLED : SF_REJECTION;
     /* About 50 ms of calls a block. */
     double t0 = now_us();
-    if (verify[0](&lg, &d, &p, SF_REJECTION, &o, NULL) != SF_OK) { fprintf(stderr, "ab: sf_verify failed\n"); return 1; }
+    if (verify[0](&lg, &d, &p, method, &o, NULL) != SF_OK) { fprintf(stderr, "ab: sf_verify failed\n"); return 1; }
     const double once = now_us() - t0;
     const int per = once > 50000 ? 1 : (int)(50000 / (once + 1)) + 1;
     double *times[MAX_LIBS];
@@ -100,7 +104,7 @@ int main(int argc, char **argv) {
             usleep(3000);
             for (int i = 0; i < per; i++) {
                 t0 = now_us();
-                sf_status st = verify[l](&lg, &d, &p, SF_REJECTION, &o, NULL);
+                sf_status st = verify[l](&lg, &d, &p, method, &o, NULL);
                 times[l][r * per + i] = now_us() - t0;
                 if (st != SF_OK) { fprintf(stderr, "ab: %s: status %d\n", argv[3 + l], st); return 1; }
             }
