@@ -148,6 +148,32 @@ def test_sample_greedy_is_argmax(method, dtype, rng):
     assert np.all(tokens[:100] == 40)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [9000, 40001, 151936], ids=lambda v: f"V={v}")
+def test_greedy_first_max_on_large_rows(vocab, dtype, rng):
+    """The max pass tells the argmax scan which block to start in: the first of tied
+    maxima wins wherever they lie (block edges, the tail, a lone request's split row)."""
+    spots = [0, 4095, 4096, 8191, 8192, vocab // 2, vocab - 17, vocab - 1]
+    x = rng.standard_normal((len(spots) + 3, vocab)).astype(np.float32)
+    for r, at in enumerate(spots):  # row r: its max first at spots[r], tied later
+        later = [s for s in spots[r + 1:] if s > at]
+        x[r, [at] + later[:2]] = 8.0
+    x[len(spots), rng.choice(vocab, 5, replace=False)] = 8.0  # five tied anywhere
+    x[len(spots) + 1, -40:] = 8.0  # all in the tail
+    x[len(spots) + 2] = -np.inf
+    x[len(spots) + 2, vocab - 1] = -1.0  # one token left, the last
+    logits = to_dtype(x, dtype)
+    want = np.argmax(as_f64(logits), axis=1)
+    np.testing.assert_array_equal(sf.sample(logits, temperature=0.0), want)
+    for r in range(logits.shape[0]):  # a lone request: the max pass may split its row
+        res = sf.verify(logits[r:r + 1], np.zeros(0, np.int32), np.array([0]),
+                        temperature=0.0)
+        assert res.tokens[0, 0] == want[r], f"row {r}"
+    n = logits.shape[0]  # and one chain whose every draft is its row's argmax
+    res = sf.verify(logits, want[:-1].astype(np.int32), np.array([n - 1]), temperature=0.0)
+    np.testing.assert_array_equal(res.tokens[0], want)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_sample_reproducible_and_keyed(method, rng):
     """Same inputs -> same tokens; another seed or position -> other tokens; a row's token

@@ -1,7 +1,7 @@
 """Writes one case of `specfast bench` (its synthetic inputs) to a file for ab.c.
 
     python bench/ab/inputs.py OUT --batch 64 --draft-len 4 --vocab 151936 --draft-probs dense
-        [--filters topk50-topp0.9]
+        [--filters topk50-topp0.9] [--method coupled]
 
 The file holds a header of int64 (batch, draft_len, vocab, dense q, top_k) and a float64
 top_p, then the float32 logits, the int32 draft tokens, the uint64 seeds, the int64
@@ -23,10 +23,12 @@ def main():
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--draft-probs", choices=["none", "dense"], default="none")
     p.add_argument("--filters", choices=list(bc.FILTERS), default="none")
+    p.add_argument("--method", choices=["rejection", "coupled"], default="rejection",
+                   help="coupled: drafts are the drafter's coupled samples (time with AB_METHOD=coupled)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     case = bc.Case(batch=a.batch, draft_len=a.draft_len, vocab=a.vocab, dtype="float32",
-                   method="rejection", draft=a.draft_probs, filters=a.filters)
+                   method=a.method, draft=a.draft_probs, filters=a.filters)
     inp = bc.make_inputs(case, seed=a.seed)
     dense = inp.q_dense is not None
     with open(a.out, "wb") as f:

@@ -88,6 +88,7 @@ typedef struct range_ctx {
     double stop;       /* where the bound (or sum) may stop */
     float ref;         /* the sum's reference logit */
     float max[SF_MAX_SPLIT];
+    int64_t from[SF_MAX_SPLIT];
     int bad[SF_MAX_SPLIT];
     double mass[SF_MAX_SPLIT];
 } range_ctx;
@@ -99,6 +100,7 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
     const int64_t lo = part * c->per;
     const int64_t n = lo >= r->vocab ? 0 : (r->vocab - lo < c->per ? r->vocab - lo : c->per);
     c->max[part] = -INFINITY;
+    c->from[part] = lo;
     c->bad[part] = 0;
     c->mass[part] = 0.0;
     if (n == 0) return SF_OK;
@@ -110,9 +112,11 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
     if (c->bound == 1)
         c->mass[part] = c->k->mass_bound(&sub, c->stop);
     else if (c->bound == 2)
-        c->max[part] = c->k->row_max_sum(&sub, c->ref, c->stop, &c->mass[part], &c->bad[part]);
+        c->max[part] = c->k->row_max_sum(&sub, c->ref, c->stop, &c->mass[part], &c->bad[part],
+                                         &c->from[part]);
     else
-        c->max[part] = c->k->row_max(&sub, &c->bad[part]);
+        c->max[part] = c->k->row_max(&sub, &c->bad[part], &c->from[part]);
+    if (c->bound != 1) c->from[part] += lo;
     return SF_OK;
 }
 
@@ -129,14 +133,18 @@ static int range_split(range_ctx *c) {
 /* The max pass (k->row_max, or with `sum` k->row_max_sum from ref and stop)
  * over the whole row, split when a lone request leaves the pool idle. */
 static float row_max_all(const sf_kernels *k, const sf_row *r, float ref, double stop,
-                         double *sum, int *bad) {
+                         double *sum, int *bad, int64_t *from) {
     range_ctx c = {.k = k, .row = r, .bound = sum ? 2 : 0, .stop = stop, .ref = ref};
     if (!range_split(&c))
-        return sum ? k->row_max_sum(r, ref, stop, sum, bad) : k->row_max(r, bad);
+        return sum ? k->row_max_sum(r, ref, stop, sum, bad, from) : k->row_max(r, bad, from);
     float m = -INFINITY;
+    *from = 0;
     if (sum) *sum = 0.0;
     for (int i = 0; i < SF_MAX_SPLIT && i * c.per < r->vocab; i++) {
-        if (c.max[i] > m) m = c.max[i];
+        if (c.max[i] > m) {
+            m = c.max[i];
+            *from = c.from[i];
+        }
         *bad |= c.bad[i];
         if (sum) *sum += c.mass[i];
     }
@@ -258,10 +266,11 @@ sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
                         int64_t vocab, int32_t *token) {
     int bad = 0;
     const sf_row r = {.data = data, .dtype = dtype, .vocab = vocab};
-    float m = k->row_max(&r, &bad);
+    int64_t from;
+    float m = k->row_max(&r, &bad, &from);
     if (bad) return SF_ERR_LOGITS;
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
-    *token = (int32_t)k->row_argmax(data, dtype, vocab, m);
+    *token = (int32_t)k->row_argmax(data, dtype, vocab, m, from);
     return SF_OK;
 }
 
@@ -278,6 +287,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     r->cut_logit = -INFINITY;
     r->cut_id = INT32_MAX;
     r->min_e = 0.0f;
+    r->max_from = 0;
     r->next = r->also = (sf_ahead){NULL, 0};
     r->next_until = INFINITY;
 
@@ -315,7 +325,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         const int with_sum = rb && (p->top_k <= 0 || p->top_k >= vocab) && p->top_p >= 1.0f;
         const double stop = with_sum ? SF_REF_REJECT / rb->uq : 0.0;
         m = row_max_all(k, r, with_sum ? rb->ref : 0.0f, stop, with_sum ? &rb->sum : NULL,
-                        &bad);
+                        &bad, &r->max_from);
         r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (m == -INFINITY) return SF_ERR_ALL_MASKED;

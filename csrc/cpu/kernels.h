@@ -31,6 +31,7 @@ typedef struct sf_row {
     sf_dtype dtype;
     int64_t vocab;
     float max, inv_t, c;
+    int64_t max_from; /* the first token whose logit is max is at or after it */
     float cut_logit;
     int32_t cut_id;
     float min_e;
@@ -68,9 +69,10 @@ typedef struct sf_weights_out {
 typedef struct sf_kernels {
     const char *name;
     /* Largest logit of row->data (its dtype and vocab); *bad is set when a
-     * NaN or +inf is met. Prefetches the first half of row->next, or less
-     * when the running max passes row->next_until. */
-    float (*row_max)(const sf_row *row, int *bad);
+     * NaN or +inf is met; *from is where row_argmax may start looking.
+     * Prefetches the first half of row->next, or less when the running max
+     * passes row->next_until. */
+    float (*row_max)(const sf_row *row, int *bad, int64_t *from);
     /* row_max, and in the same read an upper bound of the row's mass seen
      * from the logit `ref` (a draft token's): *sum >= the sum over tokens of
      * 2^((l - ref) c), each exponent capped at 127, to a relative 1e-4. Once
@@ -78,10 +80,12 @@ typedef struct sf_kernels {
      * it is when stop <= 0, ref is -inf or c 2^23 overflows. Prefetches all
      * of row->next at this pass's pace, until the max passes
      * row->next_until or the sum passes stop. */
-    float (*row_max_sum)(const sf_row *row, float ref, double stop, double *sum, int *bad);
-    /* First index whose logit equals `max` (the row's largest). */
-    int64_t (*row_argmax)(const void *row, sf_dtype dtype, int64_t vocab,
-                          float max);
+    float (*row_max_sum)(const sf_row *row, float ref, double stop, double *sum, int *bad,
+                         int64_t *from);
+    /* First index whose logit equals `max` (the row's largest), looking from
+     * `from` (row_max's *from, or 0). */
+    int64_t (*row_argmax)(const void *row, sf_dtype dtype, int64_t vocab, float max,
+                          int64_t from);
     /* Weights pass over the row: returns the sums; when `blocks` is not NULL
      * stores the sum of each SF_BLOCK tokens; when `resid` is not NULL stores
      * max(0, b * scale - q) per token (it may alias in->base). */

@@ -110,9 +110,10 @@ max_span_any(const sf_row *r, int64_t *at, int64_t end, sf_ahead pf, const int w
  * prefetched at this pass's pace; without, half of it at half the pace (a
  * bound pass fetches the rest). Prefetching stops once the max passes
  * r->next_until (checked once a block). A NaN never wins a compare, so it
- * is flagged apart; +inf shows as the max. */
+ * is flagged apart; +inf shows as the max. *from is the start of the block
+ * where the running max last rose: the max's first token is in it. */
 static inline __attribute__((always_inline)) float
-max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
+max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad, int64_t *from) {
     const int64_t n = r->vocab;
     /* No sum (it is then +inf) when c 2^23 overflows (a cap would shrink the
      * terms of tokens above ref) or ref is -inf (l - ref would be NaN). */
@@ -123,7 +124,10 @@ max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
     double total = 0.0;
     int summing = sum && stop > 0.0 && r->c <= SF_C23_MAX && ref > -INFINITY;
     int64_t i = 0;
+    float risen = -INFINITY; /* the running max, as of the block it rose in */
+    *from = 0;
     while (i + 4 * SF_W <= n) {
+        const int64_t start = i;
         const int64_t end = i + SF_BOUND_BLOCK < n ? i + SF_BOUND_BLOCK : n;
         if (summing) {
             vf acc;
@@ -141,11 +145,17 @@ max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
             }
             max_span_any(r, &i, end, half, 0, 0.0f, 0.0f, m, &nan, NULL);
         }
+        const float now = vhmax(vmaxf(vmaxf(m[0], m[1]), vmaxf(m[2], m[3])));
+        if (now > risen) {
+            risen = now;
+            *from = start;
+        }
         if (pf.data && vany((m[0] > r->next_until) | (m[1] > r->next_until) |
                             (m[2] > r->next_until) | (m[3] > r->next_until)))
             pf.data = NULL;
         if (i < end) break; /* the tail of the row, under 4 chunks */
     }
+    const int64_t tail = i;
     for (; i < n; i += SF_W) {
         vf x = load_chunk(r->data, r->dtype, i, n);
         m[0] = vmaxf(x, m[0]);
@@ -155,23 +165,26 @@ max_pass(const sf_row *r, float ref, double stop, double *sum, int *bad) {
             for (int j = 0; j < SF_W; j++) total += (double)e[j];
         }
     }
-    vf mm = vmaxf(vmaxf(m[0], m[1]), vmaxf(m[2], m[3]));
-    float mx = -INFINITY;
-    for (int j = 0; j < SF_W; j++) mx = mm[j] > mx ? mm[j] : mx;
+    const float mx = vhmax(vmaxf(vmaxf(m[0], m[1]), vmaxf(m[2], m[3])));
+    if (mx > risen) *from = tail;
     *bad = vany(nan) || mx == INFINITY;
     /* A sum cut short (or never formed) bounds nothing: it says so. */
     if (sum) *sum = summing ? total : INFINITY;
     return mx;
 }
 
-static float row_max(const sf_row *r, int *bad) { return max_pass(r, 0.0f, -1.0, NULL, bad); }
-
-static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, int *bad) {
-    return max_pass(r, ref, stop, sum, bad);
+static float row_max(const sf_row *r, int *bad, int64_t *from) {
+    return max_pass(r, 0.0f, -1.0, NULL, bad, from);
 }
 
-static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max) {
-    for (int64_t i = 0; i < n; i += SF_W) {
+static float row_max_sum(const sf_row *r, float ref, double stop, double *sum, int *bad,
+                         int64_t *from) {
+    return max_pass(r, ref, stop, sum, bad, from);
+}
+
+static int64_t row_argmax(const void *row, sf_dtype dtype, int64_t n, float max,
+                          int64_t from) {
+    for (int64_t i = from; i < n; i += SF_W) {
         vf x = load_chunk(row, dtype, i, n);
         if (vany(x == max))
             for (int j = 0; j < SF_W; j++)
@@ -380,14 +393,18 @@ typedef struct noise_group {
 } noise_group;
 
 static inline __attribute__((always_inline)) void
-noise_group_load(const sf_row *r, int64_t i0, float best, noise_group *g) {
+noise_group_load(const sf_row *r, int filtered, int64_t i0, float best, noise_group *g) {
     const int64_t n = r->vocab;
     vf smax = vf_set(-INFINITY);
     for (int c = 0; c < 64 / SF_W; c++) {
         const int64_t i = i0 + c * SF_W;
         vf x = i < n ? load_chunk(r->data, r->dtype, i, n) : vf_set(-INFINITY);
-        g->keep[c] = above_cut(r, x, i);
-        if (r->min_e > 0.0f) g->keep[c] &= row_e(r, x) >= r->min_e;
+        if (filtered) {
+            g->keep[c] = above_cut(r, x, i);
+            if (r->min_e > 0.0f) g->keep[c] &= row_e(r, x) >= r->min_e;
+        } else {
+            g->keep[c] = x > -INFINITY;
+        }
         g->s[c] = vsel(g->keep[c], scaled(r, x), vf_set(-INFINITY));
         smax = vsel(g->s[c] > smax, g->s[c], smax);
     }
@@ -405,16 +422,17 @@ noise_group_best(const noise_group *g, int64_t i0, vu w[16 / SF_W][4], float *be
     /* Chunk c holds tokens i0 + c SF_W ..: word (c SF_W) / 16 of the call
      * covering lanes (c SF_W) % 16 onwards. Per token: noise above g = best -
      * s needs E < exp(-g), so U = w / 2^32 < 1 - exp(-exp(-g)) < exp(-g): a
-     * word below 2^32 exp(-g). The limit is doubled, plus slack for rounding,
-     * and the exp taken from the chord's upper bound: only a few more
-     * candidates, each then tested exactly. */
+     * word below 2^32 exp(-g). The test is on logs, with the limit doubled
+     * against rounding: h = w / 2 is a candidate if log2(h) < 32 - g log2(e).
+     * The bits of float(h), read as an integer and scaled by 2^-23, are
+     * log2(h) + 127 or a little less (the mantissa as a chord of log2), so
+     * no candidate is lost; the few more are each tested exactly. */
+    const float a = (159.0f - *best * SF_LOG2E) * 8388608.0f, b = SF_LOG2E * 8388608.0f;
     vi cand[PER], any = vi_set(0);
     for (int c = 0; c < PER; c++) {
         const vu word = w[(c * SF_W % 16) / SF_W][c * SF_W / 16];
-        vf gap = *best - g->s[c];
-        gap = vsel(gap > 0.0f, gap, vf_set(0.0f));
-        vf lim = vexp2_up(gap * -SF_LOG2E) * 8589934592.0f + 4096.0f;
-        cand[c] = g->keep[c] & (__builtin_convertvector(word, vf) < lim);
+        const vi bits = (vi)__builtin_convertvector((vi)(word >> 1), vf);
+        cand[c] = g->keep[c] & (__builtin_convertvector(bits, vf) < g->s[c] * b + a);
         any |= cand[c];
     }
     if (!vany(any)) return;
@@ -442,16 +460,23 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
     const int64_t n = r->vocab;
     /* Start from the most probable token (always kept): on a peaked row its
      * key rules out most others before any of their noise is drawn. */
-    int64_t best_id = row_argmax(r->data, r->dtype, n, r->max);
+    int64_t best_id = row_argmax(r->data, r->dtype, n, r->max, r->max_from);
     float best = sf_gumbel(sf_noise_word(seed, position, best_id));
     const vphilox_key key = vphilox_init(seed, position, SF_PURPOSE_NOISE);
+    /* Rows without filters (most) skip the cut's tests, in a copy of the load. */
+    const int filtered = r->cut_logit > -INFINITY || r->min_e > 0.0f;
     for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 128) {
         fetch_ahead(r->next, i0, 128);
         fetch_ahead(r->also, i0, 128);
         noise_group ga, gb;
-        noise_group_load(r, i0, best, &ga);
         gb.live = 0;
-        if (i0 + 64 < n) noise_group_load(r, i0 + 64, best, &gb);
+        if (filtered) {
+            noise_group_load(r, 1, i0, best, &ga);
+            if (i0 + 64 < n) noise_group_load(r, 1, i0 + 64, best, &gb);
+        } else {
+            noise_group_load(r, 0, i0, best, &ga);
+            if (i0 + 64 < n) noise_group_load(r, 0, i0 + 64, best, &gb);
+        }
         if (!ga.live && !gb.live) continue;
         vu wa[CALLS][4], wb[CALLS][4];
         for (int h = 0; h < CALLS; h++)

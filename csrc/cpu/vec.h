@@ -136,6 +136,13 @@ SF_INLINE vf vmaxf(vf a, vf b) {
 #endif
 }
 
+/* The largest lane (-inf when none is larger; lanes are never NaN). */
+SF_INLINE float vhmax(vf a) {
+    float m = -INFINITY;
+    for (int j = 0; j < SF_W; j++) m = a[j] > m ? a[j] : m;
+    return m;
+}
+
 /* a < b ? a : b, lane by lane (b where either is NaN). */
 SF_INLINE vf vminf(vf a, vf b) {
 #if SF_W == 16
