@@ -4,8 +4,16 @@ Coupled and greedy decisions must be bit-identical; rejection sampling uses the 
 Philox streams and the same integer masses, so it must agree on every case here too;
 probs must agree exactly. Every case is a random ragged batch (odd vocabulary sizes,
 chains and trees, num_draft 0 included, per-request temperature / top-k / top-p /
-min-p / seed / position) run on both backends. Skipped without a CUDA device.
+min-p / seed / position) run on both backends.
+
+Without a CUDA device (or with SPECFAST_CUDA_EMU=1) the same kernels run on the CPU,
+compiled against tests/cuda_emu's emulated runtime, with CPU tensors as device
+memory: every decision is checked there too; what needs a real GPU (streams, graph
+capture, a host tensor refused as not on the device) is skipped.
 """
+
+import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -14,17 +22,37 @@ import specfast as sf
 from reference import draft_arg, pack, random_request, to_dtype
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 from specfast import _cuda  # noqa: E402
 
-try:
-    _cuda.lib()
-except (NotImplementedError, ImportError) as exc:  # pragma: no cover
-    pytest.skip(f"CUDA backend not built: {exc}", allow_module_level=True)
+EMULATED = os.environ.get("SPECFAST_CUDA_EMU", "") not in ("", "0") or not torch.cuda.is_available()
+if EMULATED:
+    import cuda_emu
 
-DEV = torch.device("cuda")
+    try:
+        EMU_LIB = cuda_emu.load()
+    except cuda_emu.Unavailable as exc:  # pragma: no cover
+        pytest.skip(f"no CUDA device, and no emulator: {exc}", allow_module_level=True)
+    DEV = torch.device("cpu")
+else:
+    try:
+        _cuda.lib()
+    except (NotImplementedError, ImportError) as exc:  # pragma: no cover
+        pytest.skip(f"CUDA backend not built: {exc}", allow_module_level=True)
+    DEV = torch.device("cuda")
+
+needs_gpu = pytest.mark.skipif(EMULATED, reason="needs a real CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _backend(monkeypatch):
+    """Emulated: the kernels' library is the emulator's, CPU tensors count as on the
+    device (so device values are checked by the kernels, as on a GPU), no streams."""
+    if EMULATED:
+        monkeypatch.setattr(_cuda, "lib", lambda: EMU_LIB)
+        monkeypatch.setattr(_cuda, "is_cuda", lambda x: isinstance(x, torch.Tensor))
+        monkeypatch.setattr(_cuda, "_stream", lambda dev: _cuda.ffi.NULL)
+        monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
 # 4099: a cluster of 3 blocks per request; 17000: 8 blocks, the last ones with
 # no tokens; 32000 and up: 8 blocks.
 VOCABS = [1, 7, 111, 1000, 4099, 17000, 32000]
@@ -193,7 +221,7 @@ def test_errors_are_reported(rng):
 @pytest.mark.parametrize("bad", [
     torch.empty(3, dtype=torch.int64, device=DEV),   # dtype
     torch.empty(4, dtype=torch.int32, device=DEV),   # shape
-    torch.empty(3, dtype=torch.int32),               # on the host
+    pytest.param(torch.empty(3, dtype=torch.int32), marks=needs_gpu),  # on the host
     torch.empty(6, dtype=torch.int32, device=DEV)[::2],  # strided
 ], ids=["dtype", "shape", "host", "strided"])
 def test_out_tensors_are_checked(bad):
@@ -209,6 +237,7 @@ def test_out_tensors_are_checked(bad):
         _cuda.probs(x, out={"probs": np.zeros((3, 50), np.float32)})
 
 
+@needs_gpu
 def test_cuda_graph_capture(rng):
     x = to_torch(_logits(rng, 16, 1000, "bfloat16"))
     seed = torch.arange(16, device=DEV, dtype=torch.int64)

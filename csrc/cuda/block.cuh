@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include <cooperative_groups.h>
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
 #include "../common/shared.h"
@@ -27,6 +28,12 @@
 #define SF_CU_PER 8 /* tokens per thread per tile */
 #define SF_CU_TILE (SF_CU_THREADS * SF_CU_PER)
 #define SF_FULL_MASK 0xFFFFFFFFu
+
+/* The launch's dynamic shared memory (every extern __shared__ array is this
+ * one memory; one name lets tests/cuda_emu provide it). 16-byte aligned
+ * whatever the static shared memory before it: rows are staged there in
+ * 16-byte copies. */
+extern __shared__ __align__(16) uint64_t sf_cu_dynamic[];
 
 /* ---- loads ---- */
 

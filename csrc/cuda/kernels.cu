@@ -161,12 +161,10 @@ __device__ void sf_cu_stage(void *dst, const void *src, int64_t count, bool al) 
     int64_t done = 0;
     if (al) {
         const int64_t chunks = count * es / 16;
-        for (int64_t c = threadIdx.x; c < chunks; c += SF_CU_THREADS) {
-            const unsigned d = (unsigned)__cvta_generic_to_shared((char *)dst + c * 16);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                         :: "r"(d), "l"((const char *)src + c * 16) : "memory");
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        for (int64_t c = threadIdx.x; c < chunks; c += SF_CU_THREADS)
+            __pipeline_memcpy_async((char *)dst + c * 16, (const char *)src + c * 16, 16);
+        __pipeline_commit();
+        __pipeline_wait_prior(0);
         done = chunks * 16 / es;
     }
     for (int64_t i = done + threadIdx.x; i < count; i += SF_CU_THREADS) {
@@ -788,9 +786,7 @@ __device__ void sf_cu_set_mass(sf_cu_dist &d, const sf_cu_span &sp, uint64_t *ti
 template <int DT>
 __global__ void __launch_bounds__(SF_CU_THREADS, SF_CU_MIN_BLOCKS)
 sf_cu_verify_kernel(sf_cu_verify_args a) {
-    /* cp.async stages rows here in 16-byte pieces: aligned whatever the static
-     * shared memory before it. */
-    extern __shared__ __align__(16) uint64_t tiles[]; /* the span's tiles, then its staged tokens */
+    uint64_t *const tiles = sf_cu_dynamic; /* the span's tiles, then its staged tokens */
     __shared__ sf_cu_dist d;
     __shared__ int32_t first[SF_MAX_DRAFT + 1], next[SF_MAX_DRAFT];
     __shared__ int s_flag, s_try;
@@ -928,6 +924,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                                                 tiles, ntiles);
                     if (st != SF_OK) break;
                 } else {
+                    __syncthreads(); /* every thread has read d.total above */
                     if (threadIdx.x == 0) {
                         const float one = 1.0f;
                         if (a.kind == SF_DRAFT_SPARSE)
@@ -974,7 +971,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
 
 template <int DT>
 __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_args a) {
-    extern __shared__ __align__(16) uint64_t tiles[];
+    uint64_t *const tiles = sf_cu_dynamic;
     __shared__ sf_cu_dist d;
     const int64_t b = blockIdx.x, n = a.vocab;
     const int ntiles = (int)((n + SF_CU_TILE - 1) / SF_CU_TILE);

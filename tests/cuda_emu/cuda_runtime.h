@@ -1,0 +1,609 @@
+/*
+ * tests/cuda_emu: a CPU emulator of the CUDA that csrc/cuda/kernels.cu uses,
+ * so that the kernels' decisions are compared with the CPU backend's on
+ * machines without a GPU (tests/test_cuda.py, built by tests/cuda_emu.py).
+ *
+ * kernels.cu is compiled as C++ with this folder first on the include path:
+ * <cuda_runtime.h>, <cooperative_groups.h> and <cuda_pipeline_primitives.h>
+ * resolve here, and the result is a libspecfast_cuda.so whose "device
+ * pointers" are host pointers.
+ *
+ * Model
+ * - Each block runs on an OS thread of its own, its threads as fibers (small
+ *   stacks switched by sf_emu_switch below) that run one at a time, each until
+ *   it waits at a barrier or a shuffle or returns. __shared__ is thread_local:
+ *   every block has its own shared memory, as on the GPU. The blocks of a
+ *   cluster run at once; map_shared_rank finds a variable of another block at
+ *   the same offset in that block's thread-local storage.
+ * - __syncthreads waits for every thread of the block that has not returned;
+ *   a shuffle waits for all 32 lanes of its warp (the full mask only);
+ *   cluster.sync() waits for every block of the cluster that has not
+ *   returned. Threads stuck at different barriers (a shuffle under
+ *   divergence, a barrier in a branch) fail the launch with a message rather
+ *   than hang, and so do reads of an exited block's shared memory, a cluster
+ *   that does not divide the grid, and dynamic shared memory past 48 KB
+ *   without cudaFuncAttributeMaxDynamicSharedMemorySize.
+ * - A launch runs to its end before cudaLaunchKernelEx returns; streams are
+ *   ignored. Dynamic shared memory starts filled with 0xFF bytes (a NaN as
+ *   float): the GPU's is uninitialised too.
+ * - Arithmetic: IEEE float and double, no fused multiply-add (the build
+ *   passes -ffp-contract=off; the GPU build -fmad=false), so the _rn
+ *   intrinsics are the plain operators.
+ * What it cannot show: speed, and data races that the fibers' order happens
+ * to serialise.
+ */
+#ifndef SF_CUDA_EMU_RUNTIME_H
+#define SF_CUDA_EMU_RUNTIME_H
+
+#if !defined(__x86_64__)
+#error "tests/cuda_emu switches fiber stacks with x86-64 code"
+#endif
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+/* shared.h's device branch: the _rn intrinsics and __umul64hi below. */
+#define __CUDA_ARCH__ 900
+#define SF_CUDA_EMU 1
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __shared__ thread_local /* at block scope thread_local implies static */
+
+/* ---- types ---- */
+
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint3 { unsigned x, y, z; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+enum cudaError_t {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorInvalidConfiguration = 9,
+    cudaErrorLaunchFailure = 719,
+};
+typedef void *cudaStream_t;
+
+enum cudaFuncAttribute {
+    cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+    cudaFuncAttributePreferredSharedMemoryCarveout = 9,
+};
+enum { cudaSharedmemCarveoutMaxShared = 100 };
+struct cudaFuncAttributes { size_t sharedSizeBytes; int maxThreadsPerBlock; };
+
+enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4 };
+union cudaLaunchAttributeValue {
+    struct { unsigned x, y, z; } clusterDim;
+    char pad[64];
+};
+struct cudaLaunchAttribute {
+    cudaLaunchAttributeID id;
+    cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+    dim3 gridDim, blockDim;
+    size_t dynamicSmemBytes;
+    cudaStream_t stream;
+    cudaLaunchAttribute *attrs;
+    unsigned numAttrs;
+};
+
+/* ---- the emulator ---- */
+
+extern "C" void sf_emu_switch(void **save_sp, void *to_sp);
+extern "C" void sf_emu_start(void);
+
+/* Saves the callee-saved registers on the current stack, stores its pointer
+ * in *save_sp and resumes the stack to_sp (System V x86-64). A new fiber's
+ * stack "returns" into sf_emu_start, which calls r13(r12). */
+__asm__(R"(
+    .text
+    .globl sf_emu_switch
+    .hidden sf_emu_switch
+    .type sf_emu_switch, @function
+sf_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size sf_emu_switch, .-sf_emu_switch
+    .globl sf_emu_start
+    .hidden sf_emu_start
+    .type sf_emu_start, @function
+sf_emu_start:
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .size sf_emu_start, .-sf_emu_start
+)");
+
+/* The launch's dynamic shared memory (block.cuh declares it extern). */
+#define SF_EMU_SHARED_MAX (227 * 1024)
+thread_local __attribute__((aligned(16))) uint64_t sf_cu_dynamic[SF_EMU_SHARED_MAX / 8];
+
+namespace sf_emu {
+
+enum { RUN, AT_WARP, AT_BLOCK, AT_CLUSTER, DONE };
+constexpr size_t STACK = 256 * 1024; /* virtual; only touched pages are used */
+
+struct Fiber {
+    void *sp;
+    uint3 tid;
+    int state;
+    unsigned shuffles, barriers; /* how many this thread has passed */
+    const char *file;            /* where it waits */
+    int line;
+};
+
+struct Launch;
+
+/* The blocks of one cluster, each on its own OS thread. */
+struct Cluster {
+    Launch *launch;
+    unsigned first, size; /* blocks first .. first + size - 1 */
+    std::mutex m;
+    std::condition_variable cv;
+    unsigned arrived = 0, live, gen = 0, registered = 0;
+    char *anchor[8] = {};
+    bool done[8] = {};
+    bool failed = false;
+};
+
+struct Launch {
+    dim3 grid, block;
+    size_t dynamic;
+    const std::function<void()> *body;
+    std::mutex m;
+    std::string error;
+    std::atomic<bool> failed{false};
+
+    void fail(const std::string &why) {
+        std::lock_guard<std::mutex> hold(m);
+        if (error.empty()) error = why;
+        failed = true;
+    }
+};
+
+struct Block {
+    Launch *launch;
+    Cluster *cluster;
+    unsigned rank;
+    uint3 idx;
+    std::vector<Fiber> fibers;
+    void *sched_sp;
+    uint64_t slots[32][2][32]; /* per warp, per shuffle parity, per lane */
+    int orv[2];
+    unsigned bar_gen;
+};
+
+/* A variable in this module's thread-local storage: others are found at
+ * their offset from it in another thread. */
+thread_local char anchor;
+thread_local Block *cur_block;
+thread_local Fiber *cur_fiber;
+
+inline void wait(int state, const char *file, int line) {
+    Fiber *f = cur_fiber;
+    f->state = state;
+    f->file = file;
+    f->line = line;
+    sf_emu_switch(&f->sp, cur_block->sched_sp);
+}
+
+extern "C" inline void sf_emu_fiber_main(Fiber *) {
+    (*cur_block->launch->body)();
+    wait(DONE, "", 0);
+}
+
+inline std::string where(const Block &b) {
+    return "block " + std::to_string(b.idx.x) + ": ";
+}
+
+/* Where threads [t0, t1) wait, e.g. "threads 0-31 at a shuffle (block.cuh:152)". */
+inline std::string describe(const Block &b, size_t t0, size_t t1) {
+    static const char *names[] = {"running", "a shuffle", "__syncthreads", "cluster.sync",
+                                  "returned"};
+    std::string s;
+    for (size_t t = t0; t < t1;) {
+        const Fiber &f = b.fibers[t];
+        size_t u = t + 1;
+        while (u < t1 && b.fibers[u].state == f.state &&
+               (f.state == DONE || (b.fibers[u].line == f.line && !strcmp(b.fibers[u].file, f.file))))
+            u++;
+        s += (s.empty() ? "" : ", ") + std::string("threads ") + std::to_string(t) + "-" +
+             std::to_string(u - 1) + " at " + names[f.state];
+        if (f.state != DONE) {
+            const char *base = strrchr(f.file, '/');
+            s += std::string(" (") + (base ? base + 1 : f.file) + ":" + std::to_string(f.line) + ")";
+        }
+        t = u;
+    }
+    return s;
+}
+
+/* Whether the threads [t0, t1) that wait in `state` all wait at one place:
+ * barriers or shuffles in divergent code are undefined on the GPU. */
+inline bool one_site(Block &b, size_t t0, size_t t1, int state) {
+    const Fiber *first = NULL;
+    for (size_t t = t0; t < t1; t++) {
+        const Fiber &f = b.fibers[t];
+        if (f.state != state) continue;
+        if (!first) first = &f;
+        else if (f.line != first->line || strcmp(f.file, first->file)) {
+            b.launch->fail(where(b) + "threads wait at different places: " + describe(b, t0, t1));
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Waits until every live block of the cluster has arrived; false when the
+ * launch failed meanwhile. */
+inline bool cluster_barrier(Cluster &c) {
+    std::unique_lock<std::mutex> lk(c.m);
+    if (c.failed) return false;
+    const unsigned gen = c.gen;
+    if (++c.arrived == c.live) {
+        c.arrived = 0;
+        c.gen++;
+        c.cv.notify_all();
+        return true;
+    }
+    c.cv.wait(lk, [&] { return c.gen != gen || c.failed; });
+    return c.gen != gen;
+}
+
+/* Runs the threads until every one has returned: each until it waits, then
+ * releases the warps whose 32 lanes all wait at a shuffle, else the block
+ * when all its live threads wait at __syncthreads, else the cluster when they
+ * wait at cluster.sync. False when the launch fails. */
+inline bool schedule(Block &b) {
+    const size_t n = b.fibers.size();
+    for (;;) {
+        for (Fiber &f : b.fibers) {
+            if (f.state != RUN) continue;
+            cur_fiber = &f;
+            sf_emu_switch(&b.sched_sp, f.sp);
+        }
+        if (b.launch->failed) return false;
+        size_t count[DONE + 1] = {};
+        bool released = false;
+        for (size_t l0 = 0; l0 < n; l0 += 32) {
+            const size_t l1 = l0 + 32 < n ? l0 + 32 : n;
+            size_t at_warp = 0;
+            for (size_t l = l0; l < l1; l++) {
+                count[b.fibers[l].state]++;
+                at_warp += b.fibers[l].state == AT_WARP;
+            }
+            if (at_warp == l1 - l0) {
+                if (!one_site(b, l0, l1, AT_WARP)) return false;
+                for (size_t l = l0; l < l1; l++) b.fibers[l].state = RUN;
+                released = true;
+            }
+        }
+        if (released) continue;
+        if (count[DONE] == n) return true;
+        const int state = count[AT_BLOCK] + count[DONE] == n     ? AT_BLOCK
+                          : count[AT_CLUSTER] + count[DONE] == n ? AT_CLUSTER
+                                                                 : RUN;
+        if (state == RUN) {
+            b.launch->fail(where(b) + "threads wait at different barriers: " + describe(b, 0, n));
+            return false;
+        }
+        if (!one_site(b, 0, n, state)) return false;
+        if (state == AT_BLOCK) {
+            b.orv[(b.bar_gen + 1) & 1] = 0;
+            b.bar_gen++;
+        } else if (!cluster_barrier(*b.cluster)) {
+            return false;
+        }
+        for (Fiber &f : b.fibers)
+            if (f.state == state) f.state = RUN;
+    }
+}
+
+inline void fail_cluster(Cluster &c) {
+    std::lock_guard<std::mutex> hold(c.m);
+    c.failed = true;
+    c.cv.notify_all();
+}
+
+inline void run_block(Cluster &c, unsigned rank) {
+    Launch &L = *c.launch;
+    Block b;
+    b.launch = &L;
+    b.cluster = &c;
+    b.rank = rank;
+    b.idx = {c.first + rank, 0, 0};
+    b.orv[0] = b.orv[1] = 0;
+    b.bar_gen = 0;
+    memset(sf_cu_dynamic, 0xFF, L.dynamic);
+    {
+        /* Every block's storage is known before any thread runs. */
+        std::unique_lock<std::mutex> lk(c.m);
+        c.anchor[rank] = &anchor;
+        c.registered++;
+        c.cv.notify_all();
+        c.cv.wait(lk, [&] { return c.registered == c.size; });
+    }
+    const size_t n = L.block.x, page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t each = STACK + page;
+    char *mem = (char *)mmap(NULL, n * each, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    bool ok = mem != MAP_FAILED;
+    if (!ok) L.fail(where(b) + "cannot map the threads' stacks");
+    if (ok) {
+        b.fibers.resize(n);
+        for (size_t t = 0; t < n; t++) {
+            char *lo = mem + t * each;
+            mprotect(lo, page, PROT_NONE); /* a stack overflow faults */
+            uintptr_t top = ((uintptr_t)(lo + each)) & ~(uintptr_t)15;
+            void **sp = (void **)(top - 72);
+            /* popped into r15, r14, r13, r12, rbx, rbp, then the return address */
+            sp[0] = NULL;
+            sp[1] = NULL;
+            sp[2] = (void *)&sf_emu_fiber_main;
+            sp[3] = &b.fibers[t];
+            sp[4] = NULL;
+            sp[5] = NULL;
+            sp[6] = (void *)&sf_emu_start;
+            Fiber &f = b.fibers[t];
+            f.sp = sp;
+            f.tid = {(unsigned)t, 0, 0};
+            f.state = RUN;
+            f.shuffles = f.barriers = 0;
+        }
+        cur_block = &b;
+        ok = schedule(b);
+        cur_block = NULL;
+        cur_fiber = NULL;
+    }
+    if (!ok) fail_cluster(c);
+    {
+        /* Others may still read this block's shared memory until they end. */
+        std::unique_lock<std::mutex> lk(c.m);
+        c.done[rank] = true;
+        c.live--;
+        if (c.live > 0 && c.arrived == c.live) {
+            c.arrived = 0;
+            c.gen++;
+        }
+        c.cv.notify_all();
+        c.cv.wait(lk, [&] { return c.live == 0 || c.failed; });
+    }
+    /* A failed block's threads are abandoned mid-way; their stacks go. */
+    if (mem != MAP_FAILED) munmap(mem, n * each);
+}
+
+/* Kernels the host granted more than 48 KB of dynamic shared memory. */
+inline std::mutex grants_lock;
+inline std::vector<std::pair<const void *, int>> grants;
+
+inline thread_local std::string last_error;
+
+inline cudaError_t launch(const cudaLaunchConfig_t &cfg, const void *kernel,
+                          const std::function<void()> &body) {
+    unsigned csize = 1;
+    for (unsigned i = 0; i < cfg.numAttrs; i++)
+        if (cfg.attrs[i].id == cudaLaunchAttributeClusterDimension)
+            csize = cfg.attrs[i].val.clusterDim.x;
+    int granted = 48 * 1024;
+    {
+        std::lock_guard<std::mutex> hold(grants_lock);
+        for (auto &g : grants)
+            if (g.first == kernel) granted = g.second;
+    }
+    std::string bad;
+    if (cfg.gridDim.y != 1 || cfg.gridDim.z != 1 || cfg.blockDim.y != 1 || cfg.blockDim.z != 1)
+        bad = "only 1-D grids and blocks are emulated";
+    else if (cfg.blockDim.x < 1 || cfg.blockDim.x > 1024)
+        bad = "blockDim.x must be in [1, 1024]";
+    else if (cfg.gridDim.x < 1)
+        bad = "an empty grid";
+    else if (csize < 1 || csize > 8 || cfg.gridDim.x % csize)
+        bad = "cluster size " + std::to_string(csize) + " does not divide the grid (or is past 8)";
+    else if (cfg.dynamicSmemBytes > (size_t)granted || cfg.dynamicSmemBytes > SF_EMU_SHARED_MAX)
+        bad = std::to_string(cfg.dynamicSmemBytes) + " bytes of dynamic shared memory, " +
+              std::to_string(granted) + " granted";
+    if (!bad.empty()) {
+        last_error = "emulated launch refused: " + bad;
+        return cudaErrorInvalidConfiguration;
+    }
+    Launch L;
+    L.grid = cfg.gridDim;
+    L.block = cfg.blockDim;
+    L.dynamic = cfg.dynamicSmemBytes;
+    L.body = &body;
+    const unsigned clusters = cfg.gridDim.x / csize;
+    std::atomic<unsigned> next{0};
+    unsigned hw = std::thread::hardware_concurrency();
+    unsigned workers = hw ? hw : 1;
+    if (workers > clusters) workers = clusters;
+    /* Each worker takes whole clusters, one OS thread per block. */
+    auto work = [&] {
+        for (unsigned k; (k = next++) < clusters && !L.failed;) {
+            Cluster c;
+            c.launch = &L;
+            c.first = k * csize;
+            c.size = csize;
+            c.live = csize;
+            std::vector<std::thread> blocks;
+            for (unsigned r = 1; r < csize; r++) blocks.emplace_back(run_block, std::ref(c), r);
+            run_block(c, 0);
+            for (auto &t : blocks) t.join();
+        }
+    };
+    std::vector<std::thread> pool;
+    for (unsigned w = 1; w < workers; w++) pool.emplace_back(work);
+    work();
+    for (auto &t : pool) t.join();
+    if (L.failed) {
+        last_error = "emulated kernel failed: " + L.error;
+        return cudaErrorLaunchFailure;
+    }
+    return cudaSuccess;
+}
+
+inline Fiber &self() { return *cur_fiber; }
+
+template <class T>
+inline T shuffle(const char *file, int line, unsigned mask, T v, int lane_of(int lane, int arg),
+                 int arg, int width) {
+    static_assert(sizeof(T) <= 8, "shuffles of at most 8 bytes");
+    Block &b = *cur_block;
+    Fiber &f = self();
+    if (mask != 0xFFFFFFFFu || width != 32 || b.fibers.size() % 32) {
+        b.launch->fail(where(b) + "only full-warp shuffles are emulated");
+        return v;
+    }
+    const unsigned warp = f.tid.x >> 5, lane = f.tid.x & 31, par = f.shuffles++ & 1;
+    uint64_t bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    b.slots[warp][par][lane] = bits;
+    wait(AT_WARP, file, line);
+    bits = b.slots[warp][par][lane_of((int)lane, arg) & 31];
+    T r;
+    memcpy(&r, &bits, sizeof(T));
+    return r;
+}
+
+inline int xor_lane(int lane, int m) { return lane ^ m; }
+
+} /* namespace sf_emu */
+
+/* ---- device functions ---- */
+
+/* (blockDim and gridDim would clash with cudaLaunchConfig_t's members.) */
+#define threadIdx (sf_emu::cur_fiber->tid)
+#define blockIdx (sf_emu::cur_block->idx)
+
+namespace sf_emu {
+
+inline void syncthreads(const char *file, int line) {
+    self().barriers++;
+    wait(AT_BLOCK, file, line);
+}
+
+inline int syncthreads_or(int v, const char *file, int line) {
+    Block &b = *cur_block;
+    const unsigned par = self().barriers++ & 1;
+    if (v) b.orv[par] = 1;
+    wait(AT_BLOCK, file, line);
+    return b.orv[par];
+}
+
+template <class T>
+inline T shfl_xor(const char *file, int line, unsigned mask, T v, int lane_mask, int width = 32) {
+    return shuffle(file, line, mask, v, xor_lane, lane_mask, width);
+}
+
+template <class T>
+inline T shfl_up(const char *file, int line, unsigned mask, T v, unsigned delta, int width = 32) {
+    T up = shuffle(file, line, mask, v, [](int lane, int d) { return lane >= d ? lane - d : lane; },
+                   (int)delta, width);
+    return (cur_fiber->tid.x & 31) >= delta ? up : v;
+}
+
+} /* namespace sf_emu */
+
+/* Macros, so that each barrier and shuffle knows the line it stands on. */
+#define __syncthreads() sf_emu::syncthreads(__FILE__, __LINE__)
+#define __syncthreads_or(v) sf_emu::syncthreads_or((v), __FILE__, __LINE__)
+#define __shfl_xor_sync(...) sf_emu::shfl_xor(__FILE__, __LINE__, __VA_ARGS__)
+#define __shfl_up_sync(...) sf_emu::shfl_up(__FILE__, __LINE__, __VA_ARGS__)
+
+template <class T>
+inline T atomicAdd(T *p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+
+template <class T>
+inline T __ldg(const T *p) { return *p; }
+template <class T>
+inline T __ldcg(const T *p) { return *p; }
+
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline uint64_t __umul64hi(uint64_t a, uint64_t b) {
+    return (uint64_t)(((unsigned __int128)a * b) >> 64);
+}
+
+template <class T>
+inline T min(T a, T b) { return b < a ? b : a; }
+template <class T>
+inline T max(T a, T b) { return a < b ? b : a; }
+
+/* ---- host functions ---- */
+
+inline cudaError_t cudaGetDevice(int *dev) { *dev = 0; return cudaSuccess; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+
+inline const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration:
+    case cudaErrorLaunchFailure: return sf_emu::last_error.c_str();
+    }
+    return "unknown error";
+}
+
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *fa, const void *) {
+    fa->sharedSizeBytes = 0; /* unknown here: only the dynamic part is checked */
+    fa->maxThreadsPerBlock = 1024;
+    return cudaSuccess;
+}
+
+inline cudaError_t cudaFuncSetAttribute(const void *kernel, cudaFuncAttribute attr, int value) {
+    if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+        if (value < 0 || value > SF_EMU_SHARED_MAX) return cudaErrorInvalidValue;
+        std::lock_guard<std::mutex> hold(sf_emu::grants_lock);
+        for (auto &g : sf_emu::grants)
+            if (g.first == kernel) { g.second = value; return cudaSuccess; }
+        sf_emu::grants.emplace_back(kernel, value);
+    }
+    return cudaSuccess;
+}
+
+template <class... P, class... A>
+inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t *cfg, void (*kernel)(P...),
+                                      A &&...args) {
+    const std::tuple<P...> params(std::forward<A>(args)...);
+    const std::function<void()> body = [&] { std::apply(kernel, params); };
+    return sf_emu::launch(*cfg, (const void *)kernel, body);
+}
+
+#endif /* SF_CUDA_EMU_RUNTIME_H */
