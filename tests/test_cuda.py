@@ -14,6 +14,7 @@ capture, a host tensor refused as not on the device) is skipped.
 
 import contextlib
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -45,10 +46,14 @@ needs_gpu = pytest.mark.skipif(EMULATED, reason="needs a real CUDA device")
 
 
 @pytest.fixture(autouse=True)
-def _backend(monkeypatch):
+def _backend(monkeypatch, request):
     """Emulated: the kernels' library is the emulator's, CPU tensors count as on the
-    device (so device values are checked by the kernels, as on a GPU), no streams."""
+    device (so device values are checked by the kernels, as on a GPU), no streams;
+    the threads of a block run in thread order, reversed or shuffled, by test (a
+    race shows as a test that fails in one order)."""
     if EMULATED:
+        h = zlib.crc32(request.node.nodeid.encode())
+        monkeypatch.setenv("SPECFAST_CUDA_EMU_ORDER", ["forward", "reverse", str(h)][h % 3])
         monkeypatch.setattr(_cuda, "lib", lambda: EMU_LIB)
         monkeypatch.setattr(_cuda, "is_cuda", lambda x: isinstance(x, torch.Tensor))
         monkeypatch.setattr(_cuda, "_stream", lambda dev: _cuda.ffi.NULL)

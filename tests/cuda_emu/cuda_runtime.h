@@ -23,6 +23,10 @@
  *   than hang, and so do reads of an exited block's shared memory, a cluster
  *   that does not divide the grid, and dynamic shared memory past 48 KB
  *   without cudaFuncAttributeMaxDynamicSharedMemorySize.
+ * - Between barriers the threads run in thread order, or as
+ *   SPECFAST_CUDA_EMU_ORDER says: "reverse", or a number, the seed of a new
+ *   random order each time. A result that changes with the order is a race
+ *   between threads that the barriers do not order.
  * - A launch runs to its end before cudaLaunchKernelEx returns; streams are
  *   ignored. Dynamic shared memory starts filled with 0xFF bytes (a NaN as
  *   float): the GPU's is uninitialised too.
@@ -42,6 +46,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -186,6 +191,7 @@ struct Cluster {
 struct Launch {
     dim3 grid, block;
     size_t dynamic;
+    uint64_t order; /* 0: thread order, 1: reversed, else the seed of random orders */
     const std::function<void()> *body;
     std::mutex m;
     std::string error;
@@ -293,8 +299,18 @@ inline bool cluster_barrier(Cluster &c) {
  * wait at cluster.sync. False when the launch fails. */
 inline bool schedule(Block &b) {
     const size_t n = b.fibers.size();
+    std::vector<size_t> order(n);
+    for (size_t t = 0; t < n; t++) order[t] = b.launch->order == 1 ? n - 1 - t : t;
+    uint64_t rnd = b.launch->order * 0x9E3779B97F4A7C15ull ^ b.idx.x;
     for (;;) {
-        for (Fiber &f : b.fibers) {
+        if (b.launch->order > 1) {
+            for (size_t t = n - 1; t > 0; t--) { /* Fisher-Yates on xorshift64 */
+                rnd ^= rnd << 13, rnd ^= rnd >> 7, rnd ^= rnd << 17;
+                std::swap(order[t], order[rnd % (t + 1)]);
+            }
+        }
+        for (size_t t : order) {
+            Fiber &f = b.fibers[t];
             if (f.state != RUN) continue;
             cur_fiber = &f;
             sf_emu_switch(&b.sched_sp, f.sp);
@@ -444,6 +460,9 @@ inline cudaError_t launch(const cudaLaunchConfig_t &cfg, const void *kernel,
         return cudaErrorInvalidConfiguration;
     }
     Launch L;
+    const char *order = getenv("SPECFAST_CUDA_EMU_ORDER");
+    L.order = !order || !strcmp(order, "forward") ? 0 : !strcmp(order, "reverse") ? 1
+              : strtoull(order, NULL, 10) | 2;
     L.grid = cfg.gridDim;
     L.block = cfg.blockDim;
     L.dynamic = cfg.dynamicSmemBytes;
