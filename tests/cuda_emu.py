@@ -4,7 +4,9 @@ tests/cuda_emu's emulated CUDA runtime (its header says what it models).
 ``load()`` compiles the library once per source version (about 3 s, cached in the
 temporary directory) and opens it with ``specfast._cuda``'s cffi; tests/test_cuda.py
 then runs its CPU-against-CUDA cases on it, with CPU tensors standing for device
-memory, where no GPU is present.
+memory, where no GPU is present. $SPECFAST_CUDA_EMU_FLAGS adds compiler flags (the
+hardening stage adds AddressSanitizer and UBSan: the kernels' memory checked as
+compute-sanitizer's memcheck checks them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import os
 import pathlib
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -31,33 +34,34 @@ class Unavailable(Exception):
     """The emulated library cannot be built here (the reason is the message)."""
 
 
-def build() -> pathlib.Path:
-    """The path of the built library, compiling it when its sources changed."""
+def build(source: pathlib.Path = ROOT / "csrc" / "cuda" / "kernels.cu") -> pathlib.Path:
+    """The path of `source` built as a shared library, compiled when its sources changed."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise Unavailable(f"the emulator's fibers need x86-64, not {platform.machine()}")
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise Unavailable(f"no C++ compiler {cxx!r}")
-    h = hashlib.sha256(" ".join([cxx, *FLAGS]).encode())
+    flags = [*FLAGS, *shlex.split(os.environ.get("SPECFAST_CUDA_EMU_FLAGS", ""))]
+    h = hashlib.sha256(" ".join([cxx, *flags, source.name]).encode())
     for f in SOURCES:
         h.update(f.name.encode() + f.read_bytes())
     out = pathlib.Path(tempfile.gettempdir()) / f"specfast-cuda-emu-{h.hexdigest()[:16]}"
-    lib = out / "libspecfast_cuda.so"
+    lib = out / f"lib{source.stem}.so"
     if lib.exists():
         return lib
     out.mkdir(exist_ok=True)
     tmp = out / f"build-{os.getpid()}.so"
-    cmd = [cxx, *FLAGS, f"-I{EMU}", f"-I{ROOT / 'csrc' / 'include'}",
-           f"-I{ROOT / 'csrc' / 'cuda'}", str(ROOT / "csrc" / "cuda" / "kernels.cu"), "-o", str(tmp)]
+    cmd = [cxx, *flags, f"-I{EMU}", f"-I{ROOT / 'csrc' / 'include'}",
+           f"-I{ROOT / 'csrc' / 'cuda'}", str(source), "-o", str(tmp)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
-        raise RuntimeError(f"building the emulated CUDA library failed:\n{r.stderr}")
+        raise RuntimeError(f"building {source.name} for the CUDA emulator failed:\n{r.stderr}")
     os.replace(tmp, lib)  # atomic: a concurrent build leaves one whole library
     return lib
 
 
 def load():
-    """The emulated library, opened as ``specfast._cuda.lib()`` opens the real one."""
+    """The emulated CUDA backend, opened as ``specfast._cuda.lib()`` opens the real one."""
     from specfast import _cuda
     from specfast._lib import open_library
 
@@ -65,3 +69,29 @@ def load():
         return RuntimeError(f"cannot open the emulated CUDA library {path}: {exc}")
 
     return open_library(_cuda.ffi, str(build()), "sf_cuda_version", missing)
+
+
+SELFTEST_CDEF = """
+int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigned cluster,
+                    size_t shm, int *out, char *message, size_t message_size);
+"""
+
+
+def selftest():
+    """``run(name, blocks, threads=256, cluster=1, shm=0)``: runs a kernel of
+    tests/cuda_emu/selftest.cu, returning its (cudaError_t, message, out[])."""
+    import cffi
+    import numpy as np
+
+    ffi = cffi.FFI()
+    ffi.cdef(SELFTEST_CDEF)
+    lib = ffi.dlopen(str(build(EMU / "selftest.cu")))
+
+    def run(name, blocks, threads=256, cluster=1, shm=0):
+        out = np.full(2 * blocks * threads, -1, np.int32)
+        msg = ffi.new("char[]", 4096)
+        e = lib.sf_emu_selftest(name.encode(), blocks, threads, cluster, shm,
+                                ffi.cast("int *", out.ctypes.data), msg, 4096)
+        return e, ffi.string(msg).decode(), out
+
+    return run

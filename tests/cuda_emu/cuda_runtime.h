@@ -50,6 +50,9 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #include <atomic>
 #include <condition_variable>
@@ -156,6 +159,8 @@ sf_emu_start:
     .size sf_emu_start, .-sf_emu_start
 )");
 
+thread_local uint3 blockIdx, blockDim, gridDim;
+
 /* The launch's dynamic shared memory (block.cuh declares it extern). */
 #define SF_EMU_SHARED_MAX (227 * 1024)
 thread_local __attribute__((aligned(16))) uint64_t sf_cu_dynamic[SF_EMU_SHARED_MAX / 8];
@@ -172,6 +177,8 @@ struct Fiber {
     unsigned shuffles, barriers; /* how many this thread has passed */
     const char *file;            /* where it waits */
     int line;
+    char *lo;                    /* its stack: [lo, lo + STACK) */
+    void *fake;                  /* AddressSanitizer's state while it waits */
 };
 
 struct Launch;
@@ -211,6 +218,8 @@ struct Block {
     uint3 idx;
     std::vector<Fiber> fibers;
     void *sched_sp;
+    const void *sched_lo; /* the OS thread's stack, for AddressSanitizer */
+    size_t sched_size;
     uint64_t slots[32][2][32]; /* per warp, per shuffle parity, per lane */
     int orv[2];
     unsigned bar_gen;
@@ -222,16 +231,37 @@ thread_local char anchor;
 thread_local Block *cur_block;
 thread_local Fiber *cur_fiber;
 
+/* Under AddressSanitizer every switch of stacks is announced to it, so that
+ * it checks each fiber's stack as a stack (the hardening stage builds the
+ * emulator with -fsanitize=address: kernels' out-of-bounds reads fail). */
+#if defined(__SANITIZE_ADDRESS__)
+inline void asan_leave(void **fake, const void *to_lo, size_t to_size) {
+    __sanitizer_start_switch_fiber(fake, to_lo, to_size);
+}
+inline void asan_enter(void *fake, const void **from_lo, size_t *from_size) {
+    __sanitizer_finish_switch_fiber(fake, from_lo, from_size);
+}
+#else
+inline void asan_leave(void **, const void *, size_t) {}
+inline void asan_enter(void *, const void **, size_t *) {}
+#endif
+
+/* Back to the scheduler, until the thread is released. */
 inline void wait(int state, const char *file, int line) {
     Fiber *f = cur_fiber;
+    Block *b = cur_block;
     f->state = state;
     f->file = file;
     f->line = line;
-    sf_emu_switch(&f->sp, cur_block->sched_sp);
+    asan_leave(state == DONE ? NULL : &f->fake, b->sched_lo, b->sched_size);
+    sf_emu_switch(&f->sp, b->sched_sp);
+    asan_enter(f->fake, NULL, NULL);
 }
 
 extern "C" inline void sf_emu_fiber_main(Fiber *) {
-    (*cur_block->launch->body)();
+    Block *b = cur_block;
+    asan_enter(NULL, &b->sched_lo, &b->sched_size);
+    (*b->launch->body)();
     wait(DONE, "", 0);
 }
 
@@ -313,7 +343,10 @@ inline bool schedule(Block &b) {
             Fiber &f = b.fibers[t];
             if (f.state != RUN) continue;
             cur_fiber = &f;
+            void *fake = NULL;
+            asan_leave(&fake, f.lo, STACK);
             sf_emu_switch(&b.sched_sp, f.sp);
+            asan_enter(fake, NULL, NULL);
         }
         if (b.launch->failed) return false;
         size_t count[DONE + 1] = {};
@@ -365,6 +398,11 @@ inline void run_block(Cluster &c, unsigned rank) {
     b.cluster = &c;
     b.rank = rank;
     b.idx = {c.first + rank, 0, 0};
+    blockIdx = b.idx;
+    blockDim = {L.block.x, 1, 1};
+    gridDim = {L.grid.x, 1, 1};
+    b.sched_lo = NULL;
+    b.sched_size = 0;
     b.orv[0] = b.orv[1] = 0;
     b.bar_gen = 0;
     memset(sf_cu_dynamic, 0xFF, L.dynamic);
@@ -402,6 +440,8 @@ inline void run_block(Cluster &c, unsigned rank) {
             f.tid = {(unsigned)t, 0, 0};
             f.state = RUN;
             f.shuffles = f.barriers = 0;
+            f.lo = lo + page;
+            f.fake = NULL;
         }
         cur_block = &b;
         ok = schedule(b);
@@ -526,9 +566,9 @@ inline int xor_lane(int lane, int m) { return lane ^ m; }
 
 /* ---- device functions ---- */
 
-/* (blockDim and gridDim would clash with cudaLaunchConfig_t's members.) */
+/* A block's threads share its OS thread: its index and sizes are thread-local
+ * variables, the thread's index is the running fiber's. */
 #define threadIdx (sf_emu::cur_fiber->tid)
-#define blockIdx (sf_emu::cur_block->idx)
 
 namespace sf_emu {
 

@@ -1,0 +1,110 @@
+/*
+ * tests/cuda_emu/selftest.cu: small kernels that pin down what the emulator
+ * models (tests/test_cuda_emu.py): shuffles, per-block shared memory,
+ * __syncthreads_or, cluster reductions through distributed shared memory,
+ * and the faults it must report rather than hide or hang on.
+ */
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <string.h>
+
+#define FULL 0xFFFFFFFFu
+
+extern __shared__ __align__(16) uint64_t sf_cu_dynamic[];
+
+namespace cg = cooperative_groups;
+
+/* out[2 t]: t's value from lane (lane ^ 5); out[2 t + 1]: an inclusive scan
+ * of t over the warp by __shfl_up_sync. */
+__global__ void k_shuffle(int *out) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x, lane = threadIdx.x & 31;
+    out[2 * t] = __shfl_xor_sync(FULL, t, 5);
+    int s = t;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int w = __shfl_up_sync(FULL, s, o);
+        if (lane >= o) s += w;
+    }
+    out[2 * t + 1] = s;
+}
+
+/* Each block's shared variable is its own: out[t] is the block's index. */
+__global__ void k_shared(int *out) {
+    __shared__ int s;
+    if (threadIdx.x == 0) s = blockIdx.x;
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+
+/* out[t]: whether any thread of the block is thread 77 of block 1. */
+__global__ void k_or(int *out) {
+    const int v = __syncthreads_or(blockIdx.x == 1 && threadIdx.x == 77);
+    out[blockIdx.x * blockDim.x + threadIdx.x] = v;
+}
+
+/* out[t]: the sum over the cluster's blocks of 1000 rank + blockIdx. */
+__global__ void k_cluster(int *out) {
+    __shared__ int s;
+    cg::cluster_group cl = cg::this_cluster();
+    if (threadIdx.x == 0) s = 1000 * (int)cl.block_rank() + (int)blockIdx.x;
+    cl.sync();
+    int sum = 0;
+    for (unsigned r = 0; r < cl.num_blocks(); r++) sum += *cl.map_shared_rank(&s, r);
+    cl.sync();
+    out[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+}
+
+/* out[t]: the first byte of dynamic shared memory, before any write. */
+__global__ void k_dynamic(int *out) {
+    unsigned char *smem = (unsigned char *)sf_cu_dynamic;
+    out[blockIdx.x * blockDim.x + threadIdx.x] = smem[threadIdx.x];
+}
+
+/* Faults. */
+
+__global__ void k_barrier_in_branch(int *) {
+    if (threadIdx.x < 100) {
+        __syncthreads();
+    } else {
+        __syncthreads();
+    }
+}
+
+__global__ void k_shuffle_in_branch(int *out) {
+    if (threadIdx.x & 1) out[threadIdx.x] = __shfl_xor_sync(FULL, 1, 2);
+}
+
+__global__ void k_read_exited_block(int *out) {
+    __shared__ int s;
+    cg::cluster_group cl = cg::this_cluster();
+    s = 1;
+    if (cl.block_rank() == 1) return;
+    cl.sync();
+    out[threadIdx.x] = *cl.map_shared_rank(&s, 1);
+}
+
+extern "C" __attribute__((visibility("default")))
+int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigned cluster,
+                    size_t shm, int *out, char *message, size_t message_size) {
+    struct { const char *name; void (*kernel)(int *); } table[] = {
+        {"shuffle", k_shuffle}, {"shared", k_shared}, {"or", k_or}, {"cluster", k_cluster},
+        {"dynamic", k_dynamic}, {"barrier_in_branch", k_barrier_in_branch},
+        {"shuffle_in_branch", k_shuffle_in_branch}, {"read_exited_block", k_read_exited_block},
+    };
+    for (auto &k : table) {
+        if (strcmp(k.name, name)) continue;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(blocks);
+        cfg.blockDim = dim3(threads);
+        cfg.dynamicSmemBytes = shm;
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = cluster;
+        attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+        cfg.attrs = &attr;
+        cfg.numAttrs = 1;
+        const cudaError_t e = cudaLaunchKernelEx(&cfg, k.kernel, out);
+        snprintf(message, message_size, "%s", cudaGetErrorString(e));
+        return (int)e;
+    }
+    return -1;
+}
