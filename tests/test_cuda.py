@@ -138,6 +138,31 @@ def test_verify_large_vocab(vocab, dtype, rng):
             assert_same(cpu, gpu, f"{method} {kind}")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [4099, 32000], ids=lambda v: f"V{v}")
+def test_verify_filter_edges_match_cpu(vocab, dtype, kind, rng):
+    """Filters at their edges: top-k past 4096 and near the vocabulary, top-p near 0
+    and 1, ties at the cuts (few distinct logits), masked tokens, temperatures from
+    1e-30 to 1e29, on rows of the kernels' sizes."""
+    for method in METHODS:
+        for rep in range(2):
+            reqs = [random_request(rng, vocab, 4, tree=True) for _ in range(12)]
+            for r in reqs:
+                x = r["logits"]
+                if rng.random() < 0.5:
+                    x[:] = np.round(x * 2) / 2  # ties
+                x[rng.random(x.shape) < 0.2] = -np.inf
+                x[:, int(rng.integers(vocab))] = 3.0  # no row all masked
+                r["top_k"] = int(rng.choice([0, 1, 50, 4095, 4097, 5000, vocab - 1, vocab]))
+                r["top_p"] = float(rng.choice([1.0, 0.999, 0.5, 0.01]))
+                r["min_p"] = float(rng.choice([0.0, 0.0, 0.2]))
+                r["temperature"] = float(rng.choice([1e-30, 0.05, 1.0, 30.0, 1e29]))
+            (logits, tokens, nd), kw = pack(reqs, kind, with_parents=True)
+            cpu, gpu = run_both((to_dtype(logits, dtype), tokens, nd), kw, method)
+            assert_same(cpu, gpu, f"{method} rep {rep}")
+
+
 def _row_params(rng, rows):
     return dict(
         temperature=rng.choice([0.0, 0.3, 1.0, 2.0], rows).astype(np.float32),

@@ -63,7 +63,7 @@ if command -v compute-sanitizer >/dev/null && [ -z "${SKIP_SANITIZERS:-}" ]; the
   T0=$SECONDS
   timeout 45 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -x \
     --no-header -p no:cacheprovider tests/test_cuda.py \
-    -k "verify_matches and V17000 and float32 and rejection and dense and tree" \
+    -k "verify_matches and V4099 and float32 and rejection and tree" \
     >> "$RES/sanitizers.log" 2>&1
   RACE=$?
   grep -E "ERROR SUMMARY|passed|failed|hazard" "$RES/sanitizers.log" | head -10
