@@ -26,7 +26,7 @@ EMU = ROOT / "tests" / "cuda_emu"
 SOURCES = sorted([*(ROOT / "csrc" / "cuda").iterdir(), *(ROOT / "csrc" / "common").iterdir(),
                   ROOT / "csrc" / "include" / "specfast.h", *EMU.iterdir()])
 # As cmake/cuda.cmake builds the real one: no contraction into fused multiply-adds.
-FLAGS = ["-x", "c++", "-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
+FLAGS = ["-x", "c++", "-std=c++17", "-O2", "-pthread", "-ffp-contract=off",
          "-fvisibility=hidden", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function"]
 
 
@@ -34,23 +34,27 @@ class Unavailable(Exception):
     """The emulated library cannot be built here (the reason is the message)."""
 
 
-def build(source: pathlib.Path = ROOT / "csrc" / "cuda" / "kernels.cu") -> pathlib.Path:
-    """The path of `source` built as a shared library, compiled when its sources changed."""
+def build(source: pathlib.Path = ROOT / "csrc" / "cuda" / "kernels.cu",
+          extra: tuple = ("-fPIC", "-shared")) -> pathlib.Path:
+    """The path of `source` built (a shared library, or what `extra` makes of it),
+    compiled when its sources changed."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise Unavailable(f"the emulator's fibers need x86-64, not {platform.machine()}")
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise Unavailable(f"no C++ compiler {cxx!r}")
-    flags = [*FLAGS, *shlex.split(os.environ.get("SPECFAST_CUDA_EMU_FLAGS", ""))]
+    sanitizers = [] if "-fsanitize=thread" in extra else shlex.split(
+        os.environ.get("SPECFAST_CUDA_EMU_FLAGS", ""))  # one sanitizer at a time
+    flags = [*FLAGS, *extra, *sanitizers]
     h = hashlib.sha256(" ".join([cxx, *flags, source.name]).encode())
     for f in SOURCES:
         h.update(f.name.encode() + f.read_bytes())
     out = pathlib.Path(tempfile.gettempdir()) / f"specfast-cuda-emu-{h.hexdigest()[:16]}"
-    lib = out / f"lib{source.stem}.so"
+    lib = out / (f"lib{source.stem}.so" if "-shared" in extra else source.stem)
     if lib.exists():
         return lib
     out.mkdir(exist_ok=True)
-    tmp = out / f"build-{os.getpid()}.so"
+    tmp = out / f"build-{os.getpid()}"
     cmd = [cxx, *flags, f"-I{EMU}", f"-I{ROOT / 'csrc' / 'include'}",
            f"-I{ROOT / 'csrc' / 'cuda'}", str(source), "-o", str(tmp)]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -95,3 +99,14 @@ def selftest():
         return e, ffi.string(msg).decode(), out
 
     return run
+
+
+def race_check() -> pathlib.Path:
+    """tests/cuda_emu/race_check.cc (the kernels on random batches) built with
+    ThreadSanitizer: an executable; raises Unavailable where TSan is missing."""
+    try:
+        return build(EMU / "race_check.cc", ("-O1", "-g", "-fsanitize=thread"))
+    except RuntimeError as exc:
+        if "tsan" in str(exc).lower():
+            raise Unavailable(f"no ThreadSanitizer: {exc}") from None
+        raise

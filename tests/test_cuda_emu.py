@@ -3,6 +3,8 @@ a GPU: what it models must hold as on a GPU, and what would be undefined there
 (barriers and shuffles in divergent code, another block's shared memory read after
 it exited) must fail the launch with a message, not hang or pass."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -39,7 +41,15 @@ def test_shared_memory_is_per_block():
 def test_syncthreads_or():
     e, msg, out = run("or", 3)
     assert e == 0, msg
-    np.testing.assert_array_equal(out[: 3 * 256], np.repeat([0, 1, 0], 256))
+    np.testing.assert_array_equal(out[0::2], np.repeat([0, 1, 0], 256))
+    np.testing.assert_array_equal(out[1::2], np.repeat([0, 0, 1], 256))
+
+
+def test_shared_memory_starts_unset_in_every_block():
+    for _ in range(2):  # a second launch sees nothing of the first either
+        e, msg, out = run("stale", 6)
+        assert e == 0, msg
+        assert (out[: 6 * 256] == -1).all()
 
 
 @pytest.mark.parametrize("cluster", [1, 2, 8])
@@ -77,3 +87,39 @@ def test_undefined_behaviour_fails_the_launch(kernel, message):
     e, msg, _ = run(kernel, 2, cluster=2 if kernel == "read_exited_block" else 1)
     assert e != 0
     assert pytest.importorskip("re").search(message, msg), msg
+
+
+@pytest.fixture(scope="module")
+def race_check():
+    if os.environ.get("SPECFAST_CUDA_EMU_FLAGS"):
+        pytest.skip("the race check runs once, in the suite without sanitizers")
+    try:
+        return cuda_emu.race_check()
+    except cuda_emu.Unavailable as exc:  # pragma: no cover
+        pytest.skip(str(exc))
+
+
+def _tsan(exe, *args):
+    import subprocess
+
+    env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=0"}
+    env.pop("LD_PRELOAD", None)  # the sanitized stage's ASan is not for this program
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("order", ["forward"], indirect=True)
+def test_thread_sanitizer_sees_a_race(race_check):
+    r = _tsan(race_check, "control")
+    assert "WARNING: ThreadSanitizer: data race" in r.stderr, r.stderr[-2000:]
+    assert "race_check.cc" in r.stderr
+
+
+@pytest.mark.parametrize("order", ["forward"], indirect=True)
+def test_kernels_have_no_race(race_check):
+    """Every method, dtype and draft kind, chains and trees, clusters of 1, 3 and 8
+    blocks, under ThreadSanitizer, which the emulator tells that barriers alone
+    order a launch's threads (compute-sanitizer's racecheck, for all memory)."""
+    r = _tsan(race_check, "7", "1000", "4099", "17000")
+    races = r.stderr.count("WARNING: ThreadSanitizer")
+    assert r.returncode == 0 and races == 0, r.stderr[-4000:] + r.stdout
+    assert "0 launches failed" in r.stdout

@@ -8,7 +8,11 @@ namespace cooperative_groups {
 
 struct cluster_group {
     void sync(const char *file = __builtin_FILE(), int line = __builtin_LINE()) const {
+        sf_emu::Cluster &c = *sf_emu::cur_block->cluster;
+        const unsigned par = sf_emu::self().clusters++ & 1;
+        sf_emu::tsan_arrive(&c.hb[par]);
         sf_emu::wait(sf_emu::AT_CLUSTER, file, line);
+        sf_emu::tsan_leave(&c.hb[par]);
     }
 
     unsigned block_rank() const { return sf_emu::cur_block->rank; }
@@ -21,7 +25,7 @@ struct cluster_group {
     T *map_shared_rank(T *p, unsigned rank) const {
         sf_emu::Block &b = *sf_emu::cur_block;
         sf_emu::Cluster &c = *b.cluster;
-        if (rank >= c.size || c.done[rank]) {
+        if (rank >= c.size || c.done[rank].load()) {
             b.launch->fail(sf_emu::where(b) + "map_shared_rank to block rank " +
                            std::to_string(rank) + ", which is not running");
             return p;

@@ -33,8 +33,10 @@
  * - Arithmetic: IEEE float and double, no fused multiply-add (the build
  *   passes -ffp-contract=off; the GPU build -fmad=false), so the _rn
  *   intrinsics are the plain operators.
- * What it cannot show: speed, and data races that the fibers' order happens
- * to serialise.
+ * What it cannot show: speed; memory visibility (every write is seen at
+ * once, so a missing __ldcg or fence passes); the static shared memory's
+ * size (unknown here, so the 48 KB limit counts the dynamic part alone).
+ * Races that the threads' order hides are for ThreadSanitizer (race_check.cc).
  */
 #ifndef SF_CUDA_EMU_RUNTIME_H
 #define SF_CUDA_EMU_RUNTIME_H
@@ -48,10 +50,19 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <link.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+extern "C" void AnnotateIgnoreReadsBegin(const char *file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char *file, int line);
+extern "C" void AnnotateIgnoreWritesBegin(const char *file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char *file, int line);
 #endif
 
 #include <atomic>
@@ -168,17 +179,19 @@ thread_local __attribute__((aligned(16))) uint64_t sf_cu_dynamic[SF_EMU_SHARED_M
 namespace sf_emu {
 
 enum { RUN, AT_WARP, AT_BLOCK, AT_CLUSTER, DONE };
-constexpr size_t STACK = 256 * 1024; /* virtual; only touched pages are used */
+constexpr size_t STACK = 64 * 1024; /* the kernels use a few KB; a guard page below */
 
 struct Fiber {
     void *sp;
     uint3 tid;
     int state;
-    unsigned shuffles, barriers; /* how many this thread has passed */
+    unsigned shuffles, barriers, clusters; /* how many this thread has passed */
     const char *file;            /* where it waits */
     int line;
     char *lo;                    /* its stack: [lo, lo + STACK) */
     void *fake;                  /* AddressSanitizer's state while it waits */
+    void *tsan;                  /* ThreadSanitizer's fiber */
+    bool started;
 };
 
 struct Launch;
@@ -191,8 +204,9 @@ struct Cluster {
     std::condition_variable cv;
     unsigned arrived = 0, live, gen = 0, registered = 0;
     char *anchor[8] = {};
-    bool done[8] = {};
+    std::atomic<bool> done[8] = {};
     bool failed = false;
+    char hb[2]; /* ThreadSanitizer: cluster.sync() orders what comes before it */
 };
 
 struct Launch {
@@ -218,6 +232,9 @@ struct Block {
     uint3 idx;
     std::vector<Fiber> fibers;
     void *sched_sp;
+    void *sched_tsan;
+    char hb[2]; /* ThreadSanitizer: __syncthreads orders what comes before it */
+    char hb_end; /* and the block's end orders all it did before what follows */
     const void *sched_lo; /* the OS thread's stack, for AddressSanitizer */
     size_t sched_size;
     uint64_t slots[32][2][32]; /* per warp, per shuffle parity, per lane */
@@ -246,6 +263,55 @@ inline void asan_leave(void **, const void *, size_t) {}
 inline void asan_enter(void *, const void **, size_t *) {}
 #endif
 
+/* Under ThreadSanitizer each CUDA thread is a fiber of its own: switching
+ * orders nothing (but the launch before every thread's start, which is in
+ * the first round, and every thread's end before the block's), barriers order
+ * everything before them before everything after them, and the scheduler's
+ * own bookkeeping is not watched.
+ * Two threads touching the same memory between two barriers, one of them
+ * writing (not atomically), is then a reported race. A barrier's parity
+ * picks its token, so threads that left one barrier are not ordered by
+ * those still leaving it. */
+#if defined(__SANITIZE_THREAD__)
+inline void tsan_switch(void *to, bool sync) {
+    __tsan_switch_to_fiber(to, sync ? 0 : __tsan_switch_to_fiber_no_sync);
+}
+inline void tsan_arrive(void *token) { __tsan_release(token); }
+inline void tsan_leave(void *token) { __tsan_acquire(token); }
+/* Fibers are kept for the next block: creating one costs about a millisecond. */
+inline std::mutex tsan_pool_lock;
+inline std::vector<void *> tsan_pool;
+inline void *tsan_fiber_new() {
+    std::lock_guard<std::mutex> hold(tsan_pool_lock);
+    if (tsan_pool.empty()) return __tsan_create_fiber(0);
+    void *f = tsan_pool.back();
+    tsan_pool.pop_back();
+    return f;
+}
+inline void tsan_fiber_free(void *f) {
+    std::lock_guard<std::mutex> hold(tsan_pool_lock);
+    tsan_pool.push_back(f);
+}
+inline void *tsan_current() { return __tsan_get_current_fiber(); }
+inline void tsan_unwatched(bool on) {
+    if (on) {
+        AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+        AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+    } else {
+        AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+        AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+    }
+}
+#else
+inline void tsan_switch(void *, bool) {}
+inline void tsan_arrive(void *) {}
+inline void tsan_leave(void *) {}
+inline void *tsan_fiber_new() { return NULL; }
+inline void tsan_fiber_free(void *) {}
+inline void *tsan_current() { return NULL; }
+inline void tsan_unwatched(bool) {}
+#endif
+
 /* Back to the scheduler, until the thread is released. */
 inline void wait(int state, const char *file, int line) {
     Fiber *f = cur_fiber;
@@ -254,6 +320,8 @@ inline void wait(int state, const char *file, int line) {
     f->file = file;
     f->line = line;
     asan_leave(state == DONE ? NULL : &f->fake, b->sched_lo, b->sched_size);
+    if (state == DONE) tsan_arrive(&b->hb_end);
+    tsan_switch(b->sched_tsan, false);
     sf_emu_switch(&f->sp, b->sched_sp);
     asan_enter(f->fake, NULL, NULL);
 }
@@ -291,15 +359,18 @@ inline std::string describe(const Block &b, size_t t0, size_t t1) {
     return s;
 }
 
-/* Whether the threads [t0, t1) that wait in `state` all wait at one place:
- * barriers or shuffles in divergent code are undefined on the GPU. */
+/* Whether the threads [t0, t1) that wait in `state` all wait at one place,
+ * having passed as many barriers and shuffles: barriers or shuffles in
+ * divergent code are undefined on the GPU. */
 inline bool one_site(Block &b, size_t t0, size_t t1, int state) {
     const Fiber *first = NULL;
     for (size_t t = t0; t < t1; t++) {
         const Fiber &f = b.fibers[t];
         if (f.state != state) continue;
         if (!first) first = &f;
-        else if (f.line != first->line || strcmp(f.file, first->file)) {
+        else if (f.line != first->line || strcmp(f.file, first->file) ||
+                 f.barriers != first->barriers || f.shuffles != first->shuffles ||
+                 f.clusters != first->clusters) {
             b.launch->fail(where(b) + "threads wait at different places: " + describe(b, t0, t1));
             return false;
         }
@@ -345,6 +416,8 @@ inline bool schedule(Block &b) {
             cur_fiber = &f;
             void *fake = NULL;
             asan_leave(&fake, f.lo, STACK);
+            tsan_switch(f.tsan, !f.started);
+            f.started = true;
             sf_emu_switch(&b.sched_sp, f.sp);
             asan_enter(fake, NULL, NULL);
         }
@@ -385,6 +458,43 @@ inline bool schedule(Block &b) {
     }
 }
 
+/* This module's thread-local storage in the calling thread: every __shared__
+ * variable, the emulator's own few too. */
+inline std::pair<char *, size_t> tls_block() {
+    std::pair<char *, size_t> r(NULL, 0);
+    dl_iterate_phdr([](struct dl_phdr_info *info, size_t, void *out) {
+        for (int i = 0; i < info->dlpi_phnum; i++) {
+            const ElfW(Phdr) &ph = info->dlpi_phdr[i];
+            char *tls = (char *)info->dlpi_tls_data;
+            if (ph.p_type == PT_TLS && tls && tls <= &anchor && &anchor < tls + ph.p_memsz) {
+                *(std::pair<char *, size_t> *)out = {tls, ph.p_memsz};
+                return 1;
+            }
+        }
+        return 0;
+    }, &r);
+    return r;
+}
+
+/* A block's shared memory starts as 0xFF bytes (a NaN as float, -1 as an
+ * integer), as uninitialised as the GPU's: a read before the block's own
+ * write shows. Under AddressSanitizer the dynamic shared memory past the
+ * launch's size is poisoned. */
+inline void fresh_shared(size_t dynamic) {
+    const std::pair<char *, size_t> tls = tls_block();
+    char *dyn = (char *)sf_cu_dynamic, *end = tls.first + tls.second;
+    if (tls.first && tls.first <= dyn && dyn + sizeof sf_cu_dynamic <= end) {
+        memset(tls.first, 0xFF, (size_t)(dyn - tls.first));
+        memset(dyn + sizeof sf_cu_dynamic, 0xFF, (size_t)(end - dyn - sizeof sf_cu_dynamic));
+    }
+    memset(dyn, 0xFF, dynamic);
+#if defined(__SANITIZE_ADDRESS__)
+    __asan_poison_memory_region((char *)sf_cu_dynamic + dynamic, sizeof sf_cu_dynamic - dynamic);
+#else
+    (void)dynamic;
+#endif
+}
+
 inline void fail_cluster(Cluster &c) {
     std::lock_guard<std::mutex> hold(c.m);
     c.failed = true;
@@ -393,6 +503,7 @@ inline void fail_cluster(Cluster &c) {
 
 inline void run_block(Cluster &c, unsigned rank) {
     Launch &L = *c.launch;
+    fresh_shared(L.dynamic); /* first: the emulator's own variables are set below */
     Block b;
     b.launch = &L;
     b.cluster = &c;
@@ -405,7 +516,6 @@ inline void run_block(Cluster &c, unsigned rank) {
     b.sched_size = 0;
     b.orv[0] = b.orv[1] = 0;
     b.bar_gen = 0;
-    memset(sf_cu_dynamic, 0xFF, L.dynamic);
     {
         /* Every block's storage is known before any thread runs. */
         std::unique_lock<std::mutex> lk(c.m);
@@ -439,14 +549,22 @@ inline void run_block(Cluster &c, unsigned rank) {
             f.sp = sp;
             f.tid = {(unsigned)t, 0, 0};
             f.state = RUN;
-            f.shuffles = f.barriers = 0;
+            f.shuffles = f.barriers = f.clusters = 0;
             f.lo = lo + page;
             f.fake = NULL;
+            f.tsan = tsan_fiber_new();
+            f.started = false;
         }
         cur_block = &b;
+        b.sched_tsan = tsan_current();
+        tsan_unwatched(true);
         ok = schedule(b);
         cur_block = NULL;
         cur_fiber = NULL;
+        tsan_unwatched(false);
+        tsan_leave(&b.hb_end);
+        for (Fiber &f : b.fibers)
+            if (f.state == DONE) tsan_fiber_free(f.tsan); /* an abandoned one is left */
     }
     if (!ok) fail_cluster(c);
     {
@@ -459,9 +577,14 @@ inline void run_block(Cluster &c, unsigned rank) {
             c.gen++;
         }
         c.cv.notify_all();
-        c.cv.wait(lk, [&] { return c.live == 0 || c.failed; });
+        c.cv.wait(lk, [&] { return c.live == 0; }); /* failed ones too: all return */
     }
-    /* A failed block's threads are abandoned mid-way; their stacks go. */
+#if defined(__SANITIZE_ADDRESS__)
+    /* Frames of threads that never returned (each ends in a switch, a failed
+     * one mid-way) leave poisoned stack; the next mapping may get it. */
+    __asan_unpoison_memory_region(sf_cu_dynamic, sizeof sf_cu_dynamic);
+    if (mem != MAP_FAILED) __asan_unpoison_memory_region(mem, n * each);
+#endif
     if (mem != MAP_FAILED) munmap(mem, n * each);
 }
 
@@ -520,9 +643,9 @@ inline cudaError_t launch(const cudaLaunchConfig_t &cfg, const void *kernel,
             c.first = k * csize;
             c.size = csize;
             c.live = csize;
+            /* Fresh OS threads: fresh thread-local (shared) memory. */
             std::vector<std::thread> blocks;
-            for (unsigned r = 1; r < csize; r++) blocks.emplace_back(run_block, std::ref(c), r);
-            run_block(c, 0);
+            for (unsigned r = 0; r < csize; r++) blocks.emplace_back(run_block, std::ref(c), r);
             for (auto &t : blocks) t.join();
         }
     };
@@ -552,9 +675,11 @@ inline T shuffle(const char *file, int line, unsigned mask, T v, int lane_of(int
     const unsigned warp = f.tid.x >> 5, lane = f.tid.x & 31, par = f.shuffles++ & 1;
     uint64_t bits = 0;
     memcpy(&bits, &v, sizeof(T));
-    b.slots[warp][par][lane] = bits;
+    __atomic_store_n(&b.slots[warp][par][lane], bits, __ATOMIC_RELAXED);
     wait(AT_WARP, file, line);
-    bits = b.slots[warp][par][lane_of((int)lane, arg) & 31];
+    const int src = lane_of((int)lane, arg); /* outside the warp: the lane's own value */
+    bits = __atomic_load_n(&b.slots[warp][par][src >= 0 && src < 32 ? src : (int)lane],
+                           __ATOMIC_RELAXED);
     T r;
     memcpy(&r, &bits, sizeof(T));
     return r;
@@ -573,16 +698,23 @@ inline int xor_lane(int lane, int m) { return lane ^ m; }
 namespace sf_emu {
 
 inline void syncthreads(const char *file, int line) {
+    Block &b = *cur_block;
     self().barriers++;
+    const unsigned par = b.bar_gen & 1;
+    tsan_arrive(&b.hb[par]);
     wait(AT_BLOCK, file, line);
+    tsan_leave(&b.hb[par]);
 }
 
 inline int syncthreads_or(int v, const char *file, int line) {
     Block &b = *cur_block;
-    const unsigned par = self().barriers++ & 1;
-    if (v) b.orv[par] = 1;
+    self().barriers++;
+    const unsigned par = b.bar_gen & 1;
+    if (v) __atomic_store_n(&b.orv[par], 1, __ATOMIC_RELAXED);
+    tsan_arrive(&b.hb[par]);
     wait(AT_BLOCK, file, line);
-    return b.orv[par];
+    tsan_leave(&b.hb[par]);
+    return __atomic_load_n(&b.orv[par], __ATOMIC_RELAXED);
 }
 
 template <class T>
@@ -620,10 +752,15 @@ inline uint64_t __umul64hi(uint64_t a, uint64_t b) {
     return (uint64_t)(((unsigned __int128)a * b) >> 64);
 }
 
+/* CUDA's integer min / max, and fminf / fmaxf (NaN-ignoring) for floats. */
 template <class T>
 inline T min(T a, T b) { return b < a ? b : a; }
 template <class T>
 inline T max(T a, T b) { return a < b ? b : a; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
 
 /* ---- host functions ---- */
 

@@ -35,10 +35,24 @@ __global__ void k_shared(int *out) {
     out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
-/* out[t]: whether any thread of the block is thread 77 of block 1. */
+/* out[2 t], out[2 t + 1]: whether any thread of the block is thread 77 of
+ * block 1, then (a second barrier) whether any is thread 5 of block 2; a
+ * third barrier ORs nothing in. */
 __global__ void k_or(int *out) {
-    const int v = __syncthreads_or(blockIdx.x == 1 && threadIdx.x == 77);
-    out[blockIdx.x * blockDim.x + threadIdx.x] = v;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    out[2 * t] = __syncthreads_or(blockIdx.x == 1 && threadIdx.x == 77);
+    out[2 * t + 1] = __syncthreads_or(blockIdx.x == 2 && threadIdx.x == 5);
+    if (__syncthreads_or(0)) out[2 * t] = 7;
+}
+
+/* out[t]: a shared variable before the block writes it (every byte 0xFF,
+ * whatever an earlier block left there). */
+__global__ void k_stale(int *out) {
+    __shared__ int s;
+    const int before = s;
+    __syncthreads();
+    if (threadIdx.x == 0) s = 1000 + blockIdx.x;
+    out[blockIdx.x * blockDim.x + threadIdx.x] = before;
 }
 
 /* out[t]: the sum over the cluster's blocks of 1000 rank + blockIdx. */
@@ -86,7 +100,8 @@ extern "C" __attribute__((visibility("default")))
 int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigned cluster,
                     size_t shm, int *out, char *message, size_t message_size) {
     struct { const char *name; void (*kernel)(int *); } table[] = {
-        {"shuffle", k_shuffle}, {"shared", k_shared}, {"or", k_or}, {"cluster", k_cluster},
+        {"shuffle", k_shuffle}, {"shared", k_shared}, {"or", k_or}, {"stale", k_stale},
+        {"cluster", k_cluster},
         {"dynamic", k_dynamic}, {"barrier_in_branch", k_barrier_in_branch},
         {"shuffle_in_branch", k_shuffle_in_branch}, {"read_exited_block", k_read_exited_block},
     };
