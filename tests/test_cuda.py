@@ -58,6 +58,8 @@ def _backend(monkeypatch, request):
         monkeypatch.setattr(_cuda, "is_cuda", lambda x: isinstance(x, torch.Tensor))
         monkeypatch.setattr(_cuda, "_stream", lambda dev: _cuda.ffi.NULL)
         monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+
+
 # 4099: a cluster of 3 blocks per request; 17000: 8 blocks, the last ones with
 # no tokens; 32000 and up: 8 blocks.
 VOCABS = [1, 7, 111, 1000, 4099, 17000, 32000]

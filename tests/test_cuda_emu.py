@@ -4,6 +4,8 @@ a GPU: what it models must hold as on a GPU, and what would be undefined there
 it exited) must fail the launch with a message, not hang or pass."""
 
 import os
+import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -86,7 +88,7 @@ def test_launch_limits():
 def test_undefined_behaviour_fails_the_launch(kernel, message):
     e, msg, _ = run(kernel, 2, cluster=2 if kernel == "read_exited_block" else 1)
     assert e != 0
-    assert pytest.importorskip("re").search(message, msg), msg
+    assert re.search(message, msg), msg
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +102,6 @@ def race_check():
 
 
 def _tsan(exe, *args):
-    import subprocess
-
     env = {**os.environ, "TSAN_OPTIONS": "halt_on_error=0"}
     env.pop("LD_PRELOAD", None)  # the sanitized stage's ASan is not for this program
     return subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=600)

@@ -26,7 +26,7 @@ struct cluster_group {
         sf_emu::Block &b = *sf_emu::cur_block;
         sf_emu::Cluster &c = *b.cluster;
         if (rank >= c.size || c.done[rank].load()) {
-            b.launch->fail(sf_emu::where(b) + "map_shared_rank to block rank " +
+            b.launch->fail(sf_emu::where() + "map_shared_rank to block rank " +
                            std::to_string(rank) + ", which is not running");
             return p;
         }

@@ -10,7 +10,7 @@ inline void __pipeline_memcpy_async(void *dst, const void *src, size_t size, siz
     sf_emu::Block &b = *sf_emu::cur_block;
     if ((size != 4 && size != 8 && size != 16) || zfill > size ||
         ((uintptr_t)dst | (uintptr_t)src) % size) {
-        b.launch->fail(sf_emu::where(b) + "__pipeline_memcpy_async of " + std::to_string(size) +
+        b.launch->fail(sf_emu::where() + "__pipeline_memcpy_async of " + std::to_string(size) +
                        " bytes, misaligned or of a size cp.async lacks");
         return;
     }

@@ -28,8 +28,8 @@
  *   random order each time. A result that changes with the order is a race
  *   between threads that the barriers do not order.
  * - A launch runs to its end before cudaLaunchKernelEx returns; streams are
- *   ignored. Dynamic shared memory starts filled with 0xFF bytes (a NaN as
- *   float): the GPU's is uninitialised too.
+ *   ignored. A block's shared memory, static and dynamic, starts filled with
+ *   0xFF bytes (a NaN as float): the GPU's is uninitialised too.
  * - Arithmetic: IEEE float and double, no fused multiply-add (the build
  *   passes -ffp-contract=off; the GPU build -fmad=false), so the _rn
  *   intrinsics are the plain operators.
@@ -77,7 +77,6 @@ extern "C" void AnnotateIgnoreWritesEnd(const char *file, int line);
 
 /* shared.h's device branch: the _rn intrinsics and __umul64hi below. */
 #define __CUDA_ARCH__ 900
-#define SF_CUDA_EMU 1
 
 #define __global__
 #define __device__
@@ -229,7 +228,6 @@ struct Block {
     Launch *launch;
     Cluster *cluster;
     unsigned rank;
-    uint3 idx;
     std::vector<Fiber> fibers;
     void *sched_sp;
     void *sched_tsan;
@@ -333,8 +331,9 @@ extern "C" inline void sf_emu_fiber_main(Fiber *) {
     wait(DONE, "", 0);
 }
 
-inline std::string where(const Block &b) {
-    return "block " + std::to_string(b.idx.x) + ": ";
+/* Called on a block's OS thread, whose blockIdx is the block's. */
+inline std::string where() {
+    return "block " + std::to_string(blockIdx.x) + ": ";
 }
 
 /* Where threads [t0, t1) wait, e.g. "threads 0-31 at a shuffle (block.cuh:152)". */
@@ -371,7 +370,7 @@ inline bool one_site(Block &b, size_t t0, size_t t1, int state) {
         else if (f.line != first->line || strcmp(f.file, first->file) ||
                  f.barriers != first->barriers || f.shuffles != first->shuffles ||
                  f.clusters != first->clusters) {
-            b.launch->fail(where(b) + "threads wait at different places: " + describe(b, t0, t1));
+            b.launch->fail(where() + "threads wait at different places: " + describe(b, t0, t1));
             return false;
         }
     }
@@ -402,7 +401,7 @@ inline bool schedule(Block &b) {
     const size_t n = b.fibers.size();
     std::vector<size_t> order(n);
     for (size_t t = 0; t < n; t++) order[t] = b.launch->order == 1 ? n - 1 - t : t;
-    uint64_t rnd = b.launch->order * 0x9E3779B97F4A7C15ull ^ b.idx.x;
+    uint64_t rnd = b.launch->order * 0x9E3779B97F4A7C15ull ^ blockIdx.x;
     for (;;) {
         if (b.launch->order > 1) {
             for (size_t t = n - 1; t > 0; t--) { /* Fisher-Yates on xorshift64 */
@@ -443,7 +442,7 @@ inline bool schedule(Block &b) {
                           : count[AT_CLUSTER] + count[DONE] == n ? AT_CLUSTER
                                                                  : RUN;
         if (state == RUN) {
-            b.launch->fail(where(b) + "threads wait at different barriers: " + describe(b, 0, n));
+            b.launch->fail(where() + "threads wait at different barriers: " + describe(b, 0, n));
             return false;
         }
         if (!one_site(b, 0, n, state)) return false;
@@ -508,8 +507,7 @@ inline void run_block(Cluster &c, unsigned rank) {
     b.launch = &L;
     b.cluster = &c;
     b.rank = rank;
-    b.idx = {c.first + rank, 0, 0};
-    blockIdx = b.idx;
+    blockIdx = {c.first + rank, 0, 0};
     blockDim = {L.block.x, 1, 1};
     gridDim = {L.grid.x, 1, 1};
     b.sched_lo = NULL;
@@ -529,7 +527,7 @@ inline void run_block(Cluster &c, unsigned rank) {
     char *mem = (char *)mmap(NULL, n * each, PROT_READ | PROT_WRITE,
                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     bool ok = mem != MAP_FAILED;
-    if (!ok) L.fail(where(b) + "cannot map the threads' stacks");
+    if (!ok) L.fail(where() + "cannot map the threads' stacks");
     if (ok) {
         b.fibers.resize(n);
         for (size_t t = 0; t < n; t++) {
@@ -669,7 +667,7 @@ inline T shuffle(const char *file, int line, unsigned mask, T v, int lane_of(int
     Block &b = *cur_block;
     Fiber &f = self();
     if (mask != 0xFFFFFFFFu || width != 32 || b.fibers.size() % 32) {
-        b.launch->fail(where(b) + "only full-warp shuffles are emulated");
+        b.launch->fail(where() + "only full-warp shuffles are emulated");
         return v;
     }
     const unsigned warp = f.tid.x >> 5, lane = f.tid.x & 31, par = f.shuffles++ & 1;
