@@ -78,12 +78,15 @@ def load():
 SELFTEST_CDEF = """
 int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigned cluster,
                     size_t shm, int *out, char *message, size_t message_size);
+uint64_t sf_emu_fixed_mismatches(void);
 """
 
 
 def selftest():
     """``run(name, blocks, threads=256, cluster=1, shm=0)``: runs a kernel of
-    tests/cuda_emu/selftest.cu, returning its (cudaError_t, message, out[])."""
+    tests/cuda_emu/selftest.cu, returning its (cudaError_t, message, out[]);
+    ``run.fixed_mismatches()`` counts the floats where the kernels' fixed point
+    differs from the CPU's."""
     import cffi
     import numpy as np
 
@@ -98,6 +101,7 @@ def selftest():
                                 ffi.cast("int *", out.ctypes.data), msg, 4096)
         return e, ffi.string(msg).decode(), out
 
+    run.fixed_mismatches = lib.sf_emu_fixed_mismatches
     return run
 
 

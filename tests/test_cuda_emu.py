@@ -72,6 +72,12 @@ def test_dynamic_shared_memory_starts_unset():
     assert (out[: 2 * 64] == 0xFF).all()
 
 
+def test_fixed_point_matches_the_cpu_on_every_float():
+    if os.environ["SPECFAST_CUDA_EMU_ORDER"] != "forward":
+        pytest.skip("arithmetic: one thread order is enough")
+    assert run.fixed_mismatches() == 0
+
+
 def test_launch_limits():
     e, msg, _ = run("shared", 3, cluster=2)
     assert e != 0 and "does not divide the grid" in msg

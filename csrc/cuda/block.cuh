@@ -15,8 +15,13 @@
 #define SF_CUDA_BLOCK_CUH
 
 #include <stdint.h>
+#include <string.h>
+
+#include <type_traits>
 
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
@@ -50,6 +55,19 @@ __device__ __forceinline__ void sf_cu_unpack16(int DT, uint32_t w, float *x) {
     uint16_t a = (uint16_t)w, b = (uint16_t)(w >> 16);
     x[0] = DT == SF_BF16 ? sf_bf16_to_f32(a) : sf_f16_to_f32(a);
     x[1] = DT == SF_BF16 ? sf_bf16_to_f32(b) : sf_f16_to_f32(b);
+}
+
+/* The NaN-propagating max of two pairs of bf16 (or f16) floats, in words. */
+template <int DT>
+__device__ __forceinline__ uint32_t sf_cu_max2(uint32_t a, uint32_t b) {
+    typedef typename std::conditional<DT == SF_BF16, __nv_bfloat162, __half2>::type pair;
+    pair x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    const pair r = __hmax2_nan(x, y);
+    uint32_t w;
+    memcpy(&w, &r, 4);
+    return w;
 }
 
 /* Tokens [i0, i0 + 8) of a row as float; past n, -inf. */
@@ -121,16 +139,16 @@ __device__ __forceinline__ float sf_cu_resid(float b, float scale, float q) {
 }
 
 /* floor(r * 2^40) for 0 <= r < 2048, as rowmath.h's sf_fixed, from the bits
- * of r (the mantissa shifted by the exponent): integer operations only, no
- * conversions (a slower pipe on the GPU). Equal to sf_fixed for every float
- * in [0, 2048), -0 included (checked exhaustively). */
+ * of r: integer operations only, no conversions (a slower pipe on the GPU).
+ * The mantissa with its leading 1, shifted up by 27 (r's largest exponent
+ * over 2^40), comes down by 137 - e, at most 63: zeros and subnormals (e = 0)
+ * lie below 2^-40 and give 0. Equal to sf_fixed on every float in [0, 2048),
+ * -0 included (test_cuda_emu checks them all). */
 __device__ __forceinline__ uint64_t sf_cu_fixed(float r) {
     const uint32_t b = sf_f2u(r);
-    const int32_t e = (int32_t)((b >> 23) & 255u);
-    const uint64_t m = (b & 0x7FFFFFu) | (e ? 0x800000u : 0u);
-    const int32_t sh = (e ? e : 1) - 127 - 23 + 40;
-    if (sh >= 0) return m << sh;
-    return sh <= -24 ? 0 : m >> -sh;
+    const uint32_t e = (b >> 23) & 255u;
+    const uint64_t m = (uint64_t)((b & 0x7FFFFFu) | 0x800000u) << 27;
+    return m >> min(137u - e, 63u);
 }
 
 /* Rank key of a finite logit and its id: ascending keys are (logit
@@ -145,57 +163,70 @@ __device__ __forceinline__ float sf_cu_key_logit(uint64_t key) {
     return sf_u2f((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
 }
 
-/* ---- block reductions (every thread gets the result) ---- */
+/* ---- block reductions (every thread gets the result) ----
+ * A butterfly of xor shuffles: every lane combines the same values in the
+ * same tree, so with a commutative op every thread of every block gets the
+ * same bits (an ordered double sum would need a loop of 8 per thread). Each
+ * op names its identity, which fills the lanes past the values. */
+
+struct sf_cu_add {
+    __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a + b; }
+    static __device__ uint64_t id() { return 0; }
+};
+struct sf_cu_dadd {
+    __device__ double operator()(double a, double b) const { return a + b; }
+    static __device__ double id() { return 0.0; }
+};
+struct sf_cu_min {
+    __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return b < a ? b : a; }
+    static __device__ uint64_t id() { return UINT64_MAX; }
+};
+
+/* Shuffles a value of any size (a multiple of 4 bytes) word by word. */
+template <class T>
+__device__ __forceinline__ T sf_cu_shfl_xor(T v, int o) {
+    static_assert(sizeof(T) % 4 == 0, "shuffled values are whole words");
+    uint32_t w[sizeof(T) / 4];
+    memcpy(w, &v, sizeof(T));
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(T) / 4); i++) w[i] = __shfl_xor_sync(SF_FULL_MASK, w[i], o);
+    memcpy(&v, w, sizeof(T));
+    return v;
+}
+
+/* op over each aligned group of `width` lanes (a power of two). */
+template <class T, class Op>
+__device__ __forceinline__ T sf_cu_lanes_all(T v, int width, Op op) {
+    for (int o = width >> 1; o; o >>= 1) v = op(v, sf_cu_shfl_xor(v, o));
+    return v;
+}
 
 __device__ __forceinline__ uint64_t sf_cu_warp_sum(uint64_t v) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(SF_FULL_MASK, v, o);
+    return sf_cu_lanes_all(v, 32, sf_cu_add());
+}
+
+template <class T, class Op>
+__device__ __forceinline__ T sf_cu_block_all(T v, Op op) {
+    static_assert(SF_CU_WARPS == 8, "the second round spans 8 lanes");
+    __shared__ T buf[SF_CU_WARPS];
+    v = sf_cu_lanes_all(v, 32, op);
+    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sf_cu_lanes_all(buf[threadIdx.x & 7], SF_CU_WARPS, op);
+    __syncthreads(); /* buf is free again */
     return v;
 }
 
 __device__ __forceinline__ uint64_t sf_cu_block_sum(uint64_t v) {
-    __shared__ uint64_t buf[SF_CU_WARPS];
-    v = sf_cu_warp_sum(v);
-    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
-    __syncthreads();
-    uint64_t r = 0;
-#pragma unroll
-    for (int w = 0; w < SF_CU_WARPS; w++) r += buf[w];
-    __syncthreads();
-    return r;
+    return sf_cu_block_all(v, sf_cu_add());
 }
 
 __device__ __forceinline__ double sf_cu_block_dsum(double v) {
-    __shared__ double buf[SF_CU_WARPS];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(SF_FULL_MASK, v, o);
-    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double r = 0.0;
-#pragma unroll
-    for (int w = 0; w < SF_CU_WARPS; w++) r += buf[w];
-    __syncthreads();
-    return r;
-}
-
-__device__ __forceinline__ int sf_cu_block_or(int v) {
-    return __syncthreads_or(v);
+    return sf_cu_block_all(v, sf_cu_dadd());
 }
 
 __device__ __forceinline__ uint64_t sf_cu_block_min64(uint64_t v) {
-    __shared__ uint64_t buf[SF_CU_WARPS];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-        uint64_t w = __shfl_xor_sync(SF_FULL_MASK, v, o);
-        v = w < v ? w : v;
-    }
-    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
-    __syncthreads();
-    uint64_t r = buf[0];
-#pragma unroll
-    for (int w = 1; w < SF_CU_WARPS; w++) r = buf[w] < r ? buf[w] : r;
-    __syncthreads();
-    return r;
+    return sf_cu_block_all(v, sf_cu_min());
 }
 
 /* (value, id) with the larger value, the lower id on ties; id < 0 is empty. */
@@ -208,22 +239,13 @@ __device__ __forceinline__ sf_cu_best sf_cu_better(sf_cu_best a, sf_cu_best b) {
     return a;
 }
 
+struct sf_cu_pick_better {
+    __device__ sf_cu_best operator()(sf_cu_best a, sf_cu_best b) const { return sf_cu_better(a, b); }
+    static __device__ sf_cu_best id() { return {-INFINITY, -1}; }
+};
+
 __device__ __forceinline__ sf_cu_best sf_cu_block_best(sf_cu_best v) {
-    __shared__ sf_cu_best buf[SF_CU_WARPS];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-        sf_cu_best w;
-        w.key = __shfl_xor_sync(SF_FULL_MASK, v.key, o);
-        w.id = __shfl_xor_sync(SF_FULL_MASK, v.id, o);
-        v = sf_cu_better(v, w);
-    }
-    if ((threadIdx.x & 31) == 0) buf[threadIdx.x >> 5] = v;
-    __syncthreads();
-    sf_cu_best r = buf[0];
-#pragma unroll
-    for (int w = 1; w < SF_CU_WARPS; w++) r = sf_cu_better(r, buf[w]);
-    __syncthreads();
-    return r;
+    return sf_cu_block_all(v, sf_cu_pick_better());
 }
 
 /* Exclusive prefix sum of v over the threads of the block, in thread order. */
@@ -247,10 +269,11 @@ __device__ __forceinline__ uint64_t sf_cu_block_exscan(uint64_t v) {
 /* ---- cluster reductions ----
  * A cluster of csize blocks shares a row, each block a slice of it. Each
  * block puts its block-wide value in shared memory; after a cluster barrier
- * every thread reads the csize values through distributed shared memory, in
- * rank order (so every block gets the same result), and a second barrier
- * keeps the slot until all have read it. All threads of all blocks call it
- * together. csize 1: the value itself, no barrier. */
+ * lane k of every group of 8 lanes reads block k's value through distributed
+ * shared memory and a butterfly combines them, so every thread of every
+ * block gets the same result; a second barrier keeps the slot until all have
+ * read it. All threads of all blocks call it together. csize 1: the value
+ * itself, no barrier. */
 template <class T, class Op>
 __device__ __forceinline__ T sf_cu_cluster_all(T v, int csize, Op op) {
     if (csize == 1) return v;
@@ -258,8 +281,8 @@ __device__ __forceinline__ T sf_cu_cluster_all(T v, int csize, Op op) {
     cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
     if (threadIdx.x == 0) slot = v;
     cl.sync();
-    T r = *cl.map_shared_rank(&slot, 0);
-    for (int k = 1; k < csize; k++) r = op(r, *cl.map_shared_rank(&slot, k));
+    const int k = threadIdx.x & 7; /* csize <= 8 */
+    T r = sf_cu_lanes_all(k < csize ? *cl.map_shared_rank(&slot, k) : Op::id(), 8, op);
     cl.sync();
     return r;
 }
@@ -276,13 +299,5 @@ __device__ __forceinline__ uint64_t sf_cu_cluster_before(uint64_t v, int csize) 
     cl.sync();
     return r;
 }
-
-struct sf_cu_dadd { __device__ double operator()(double a, double b) const { return a + b; } };
-struct sf_cu_add { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a + b; } };
-struct sf_cu_min { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return b < a ? b : a; } };
-struct sf_cu_or { __device__ int operator()(int a, int b) const { return a | b; } };
-struct sf_cu_pick_better {
-    __device__ sf_cu_best operator()(sf_cu_best a, sf_cu_best b) const { return sf_cu_better(a, b); }
-};
 
 #endif /* SF_CUDA_BLOCK_CUH */

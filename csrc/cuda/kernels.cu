@@ -8,7 +8,9 @@
  * and the blocks combine their results through distributed shared memory.
  * sample / probs: one block per row. Each step of csrc/cpu/dist.c becomes a
  * pass over the row (over the slices of the cluster):
- * - the max (and the first index of it, for greedy) by a block reduction;
+ * - the max: 16-byte loads, 16-bit rows kept in pairs under the
+ *   NaN-propagating bf16x2 / half2 max (greedy's first index of it: a second
+ *   pass in which each thread stops at its first hit);
  * - top-k and top-p cuts by a radix select on the rank key (logit
  *   descending, id ascending), 8 bits per pass, with exact integer counts
  *   (top-k) or exact integer masses (top-p): no sort, the same cut as the CPU
@@ -176,17 +178,22 @@ __device__ void sf_cu_stage(void *dst, const void *src, int64_t count, bool al) 
 
 /* Weights of tokens [i0, i0 + 8) (0 past n) into rr (the residual floats);
  * all threads of the block must call it together (a shuffle pairs the two
- * threads of one CPU 16-token chunk). *read_q tells whether q was read. */
-template <int DT>
+ * threads of one CPU 16-token chunk). *read_q tells whether q was read; base
+ * and qv, when not NULL, take the weights before q and q itself. FULL: the
+ * eight tokens lie inside the span and every source is 16-byte aligned, so
+ * the loads go without checks. */
+template <int DT, bool FULL = false>
 __device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const sf_cu_span &sp,
                                                const sf_cu_in &in, bool cut, int64_t i0,
-                                               float *rr, bool *read_q, float *base = NULL) {
+                                               float *rr, bool *read_q, float *base = NULL,
+                                               float *qv = NULL) {
     const int64_t n = sp.hi;
     float b[8];
     bool rq = true;
     if (!in.base) {
         float x[8];
-        sf_cu_span8<DT>(sp, i0, x);
+        if (FULL) sf_cu_load8<DT>(sp.src, i0 - sp.lo, i0 - sp.lo + 8, true, x);
+        else sf_cu_span8<DT>(sp, i0, x);
         if (cut) {
             bool keep[8];
             int any = 0;
@@ -206,8 +213,12 @@ __device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const sf_cu_s
 #pragma unroll
             for (int j = 0; j < 8; j++) b[j] = sf_cu_row_e(r, x[j]);
         }
+    } else if (FULL) {
+        /* Written earlier in this kernel (by this block): plain loads, not __ldg. */
+        const float4 u = *(const float4 *)(in.base + i0), w = *(const float4 *)(in.base + i0 + 4);
+        b[0] = u.x; b[1] = u.y; b[2] = u.z; b[3] = u.w;
+        b[4] = w.x; b[5] = w.y; b[6] = w.z; b[7] = w.w;
     } else {
-        /* Written earlier in this kernel: plain loads, not __ldg. */
 #pragma unroll
         for (int j = 0; j < 8; j++) b[j] = i0 + j < n ? in.base[i0 + j] : 0.0f;
     }
@@ -216,14 +227,18 @@ __device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const sf_cu_s
         for (int j = 0; j < 8; j++) base[j] = b[j];
     }
     if (in.q) {
+        float q[8];
         if (rq) {
-            float q[8];
-            sf_cu_floats8(in.q, i0, n, sf_cu_aligned(in.q), q);
+            sf_cu_floats8(in.q, i0, FULL ? i0 + 8 : n, FULL || sf_cu_aligned(in.q), q);
 #pragma unroll
             for (int j = 0; j < 8; j++) rr[j] = sf_cu_resid(b[j], in.scale, q[j]);
         } else {
 #pragma unroll
-            for (int j = 0; j < 8; j++) rr[j] = 0.0f;
+            for (int j = 0; j < 8; j++) rr[j] = q[j] = 0.0f;
+        }
+        if (qv) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) qv[j] = q[j];
         }
     } else {
 #pragma unroll
@@ -238,35 +253,102 @@ __device__ __forceinline__ bool sf_cu_cut_active(const sf_cu_row &r) {
 
 /* ---- passes over a row (all threads call them together) ---- */
 
-struct sf_cu_maxr { sf_cu_best best; int bad; };
+/* (max, NaN met): the max as fmaxf takes it, -0 read as +0 so that the
+ * combine is commutative to the bit. */
+struct sf_cu_maxr { float m; int bad; };
 struct sf_cu_pick_max {
     __device__ sf_cu_maxr operator()(sf_cu_maxr a, sf_cu_maxr b) const {
-        return {sf_cu_better(a.best, b.best), a.bad | b.bad};
+        return {SF_FADD(fmaxf(a.m, b.m), 0.0f), a.bad | b.bad};
     }
+    static __device__ sf_cu_maxr id() { return {-INFINITY, 0}; }
 };
 
-/* The row's max, the first index of it, and whether a NaN or +inf is met. */
+/* This thread's max of the span and whether it met a NaN. Aligned spans go
+ * 8 tokens a load; 16-bit rows stay in pairs under the NaN-propagating
+ * bf16x2 / half2 max (exact: a max rounds nothing). */
+template <int DT>
+__device__ sf_cu_maxr sf_cu_local_max(const sf_cu_span &sp) {
+    float m = -INFINITY;
+    int bad = 0;
+    int64_t done = 0;
+    if (sp.al) {
+        const int nfull = (int)((sp.hi - sp.lo) >> 3);
+        if constexpr (DT == SF_F32) {
+            const float4 *s = (const float4 *)sp.src;
+            uint32_t mag = 0; /* |x| bits: above +inf's is a NaN */
+            for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
+                const float4 a = s[2 * c], b = s[2 * c + 1];
+                const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    m = fmaxf(m, x[j]);
+                    mag = max(mag, sf_f2u(x[j]) & 0x7FFFFFFFu);
+                }
+            }
+            bad = mag > 0x7F800000u;
+        } else {
+            const uint4 *s = (const uint4 *)sp.src;
+            const uint32_t ninf = DT == SF_BF16 ? 0xFF80FF80u : 0xFC00FC00u;
+            uint32_t m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
+            for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
+                const uint4 u = s[c];
+                m0 = sf_cu_max2<DT>(m0, u.x);
+                m1 = sf_cu_max2<DT>(m1, u.y);
+                m2 = sf_cu_max2<DT>(m2, u.z);
+                m3 = sf_cu_max2<DT>(m3, u.w);
+            }
+            float x[2];
+            sf_cu_unpack16(DT, sf_cu_max2<DT>(sf_cu_max2<DT>(m0, m1), sf_cu_max2<DT>(m2, m3)), x);
+            bad = x[0] != x[0] || x[1] != x[1];
+            m = fmaxf(x[0], x[1]);
+        }
+        done = (int64_t)nfull * 8;
+    }
+    /* The tail, or the whole span where it is not aligned. */
+    for (int64_t v = sp.lo + done + threadIdx.x; v < sp.hi; v += SF_CU_THREADS) {
+        const float x = sf_cu_span1<DT>(sp, v);
+        bad |= x != x;
+        m = fmaxf(m, x);
+    }
+    return {m, bad};
+}
+
+/* This thread's first token of the span equal to m (INT32_MAX if none):
+ * each thread's tokens rise with its chunks, so it stops at its first. */
+template <int DT>
+__device__ int32_t sf_cu_local_first(const sf_cu_span &sp, float m) {
+    int64_t done = 0;
+    if (sp.al) {
+        const int nfull = (int)((sp.hi - sp.lo) >> 3);
+        for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
+            float x[8];
+            sf_cu_load8<DT>(sp.src, (int64_t)c * 8, (int64_t)c * 8 + 8, true, x);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (x[j] == m) return (int32_t)(sp.lo + (int64_t)c * 8 + j);
+        }
+        done = (int64_t)nfull * 8;
+    }
+    for (int64_t v = sp.lo + done + threadIdx.x; v < sp.hi; v += SF_CU_THREADS)
+        if (sf_cu_span1<DT>(sp, v) == m) return (int32_t)v;
+    return INT32_MAX;
+}
+
+/* The row's max, the first index of it when amax is not NULL (greedy), and
+ * whether a NaN or +inf is met. */
 template <int DT>
 __device__ void sf_cu_pass_max(const sf_cu_span &sp, float *mx, int32_t *amax, int *bad) {
-    float m = -INFINITY;
-    int32_t mi = -1;
-    int nan = 0;
-    for (int64_t i0 = sp.lo + (int64_t)threadIdx.x * 8; i0 < sp.hi; i0 += SF_CU_TILE) {
-        float x[8];
-        sf_cu_span8<DT>(sp, i0, x);
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            nan |= x[j] != x[j];
-            if (x[j] > m) { m = x[j]; mi = (int32_t)(i0 + j); }
-        }
+    sf_cu_maxr v = sf_cu_local_max<DT>(sp);
+    v = sf_cu_cluster_all(sf_cu_block_all(v, sf_cu_pick_max()), sp.csize, sf_cu_pick_max());
+    *mx = v.m;
+    *bad = v.bad || v.m == INFINITY;
+    if (amax) {
+        /* No index when the row is bad or masked, as the caller stops. */
+        const uint64_t first = *bad || v.m == -INFINITY ? UINT64_MAX
+                               : (uint64_t)sf_cu_local_first<DT>(sp, v.m);
+        const uint64_t id = sf_cu_cluster_all(sf_cu_block_min64(first), sp.csize, sf_cu_min());
+        *amax = id >= INT32_MAX ? -1 : (int32_t)id;
     }
-    sf_cu_maxr v;
-    v.best = sf_cu_block_best({m, mi});
-    v.bad = __syncthreads_or(nan);
-    v = sf_cu_cluster_all(v, sp.csize, sf_cu_pick_max());
-    *mx = v.best.id < 0 ? -INFINITY : v.best.key;
-    *amax = v.best.id;
-    *bad = v.bad || *mx == INFINITY;
 }
 
 struct sf_cu_wsum { uint64_t total, q_mass; int q_bad; };
@@ -274,16 +356,55 @@ struct sf_cu_add_wsum {
     __device__ sf_cu_wsum operator()(sf_cu_wsum a, sf_cu_wsum b) const {
         return {a.total + b.total, a.q_mass + b.q_mass, a.q_bad | b.q_bad};
     }
+    static __device__ sf_cu_wsum id() { return {0, 0, 0}; }
 };
+
+/* One tile of the weights pass for this thread's tokens [i0, i0 + 8): their
+ * weights, summed, into the tile's sum; the residual into `store`; q checked
+ * as sf_weights_out checks it. */
+template <int DT, bool FULL>
+__device__ __forceinline__ void sf_cu_weights_tile(const sf_cu_row &r, const sf_cu_span &sp,
+                                                   const sf_cu_in &in, bool cut,
+                                                   bool weighted_only, int64_t i0, float *store,
+                                                   uint64_t *tile, int *qbad, uint64_t *qm) {
+    const int64_t n = sp.hi;
+    float rr[8], bb[8], qv[8];
+    bool rq;
+    sf_cu_weights8<DT, FULL>(r, sp, in, cut, i0, rr, &rq, bb, qv);
+    if (in.q && rq) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            /* kernels_impl.h: q outside [0, 1.001] (or NaN) is bad; the good
+             * values sum exactly as fixed-point masses. Past n q reads 0. */
+            if (weighted_only && bb[j] == 0.0f) continue;
+            const bool ok = qv[j] >= 0.0f && qv[j] <= 1.001f;
+            *qbad |= !ok;
+            *qm += sf_cu_fixed(ok ? qv[j] : 0.0f);
+        }
+    }
+    /* Past n every weight is 0 (-inf logits, zero base and q). */
+    uint64_t s = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) s += sf_cu_fixed(rr[j]);
+    if (store && FULL) {
+        float4 *p = (float4 *)(store + i0);
+        p[0] = make_float4(rr[0], rr[1], rr[2], rr[3]);
+        p[1] = make_float4(rr[4], rr[5], rr[6], rr[7]);
+    } else if (store) {
+        for (int j = 0; j < 8 && i0 + j < n; j++) store[i0 + j] = rr[j];
+    }
+    s = sf_cu_warp_sum(s);
+    if ((threadIdx.x & 31) == 0 && s) atomicAdd((unsigned long long *)tile, (unsigned long long)s);
+}
 
 /* Weights pass: per-tile sums of the block's span into tiles[], the residual
  * into `store` (indexed by token id) when not NULL; returns the row's total.
- * q_bad / q_mass as sf_weights_out's. */
+ * q_bad / q_mass as sf_weights_out's. The tiles wholly inside the span run
+ * without bounds checks when every source is aligned. */
 template <int DT>
 __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
                                        const sf_cu_in &in, float *store, uint64_t *tiles,
                                        int ntiles, int *q_bad, uint64_t *q_mass) {
-    const int64_t n = sp.hi;
     const bool cut = sf_cu_cut_active(r) && !in.base;
     /* dist.c: under the row's cut, from the row or a stored base alike, only
      * the q of tokens with a weight are checked (and not q's sum). */
@@ -292,41 +413,16 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
     __syncthreads();
     int qbad = 0;
     uint64_t qm = 0;
-    const bool als = store && sf_cu_aligned(store);
-    for (int t = 0; t < ntiles; t++) {
-        const int64_t i0 = sp.lo + (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
-        float rr[8], bb[8];
-        bool rq;
-        sf_cu_weights8<DT>(r, sp, in, cut, i0, rr, &rq, bb);
-        uint64_t s = 0;
-        if (in.q && rq && i0 < n) {
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                if (i0 + j >= n) break;
-                if (weighted_only && bb[j] == 0.0f) continue;
-                /* kernels_impl.h: q outside [0, 1.001] (or NaN) is bad; the
-                 * good values sum exactly as fixed-point masses. */
-                float q = __ldg(in.q + i0 + j);
-                bool ok = q >= 0.0f && q <= 1.001f;
-                qbad |= !ok;
-                qm += sf_cu_fixed(ok ? q : 0.0f);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) s += i0 + j < n ? sf_cu_fixed(rr[j]) : 0;
-        if (store && i0 < n) {
-            if (als && i0 + 8 <= n) {
-                float4 *p = (float4 *)(store + i0);
-                p[0] = make_float4(rr[0], rr[1], rr[2], rr[3]);
-                p[1] = make_float4(rr[4], rr[5], rr[6], rr[7]);
-            } else {
-                for (int j = 0; j < 8 && i0 + j < n; j++) store[i0 + j] = rr[j];
-            }
-        }
-        s = sf_cu_warp_sum(s);
-        if ((threadIdx.x & 31) == 0 && s)
-            atomicAdd((unsigned long long *)&tiles[t], (unsigned long long)s);
-    }
+    const bool fast = (in.base ? sf_cu_aligned(in.base) : sp.al) &&
+                      (!in.q || sf_cu_aligned(in.q)) && (!store || sf_cu_aligned(store));
+    const int nfull = fast ? (int)((sp.hi - sp.lo) / SF_CU_TILE) : 0;
+    const int64_t i0 = sp.lo + threadIdx.x * 8;
+    for (int t = 0; t < nfull; t++)
+        sf_cu_weights_tile<DT, true>(r, sp, in, cut, weighted_only, i0 + (int64_t)t * SF_CU_TILE,
+                                     store, &tiles[t], &qbad, &qm);
+    for (int t = nfull; t < ntiles; t++)
+        sf_cu_weights_tile<DT, false>(r, sp, in, cut, weighted_only, i0 + (int64_t)t * SF_CU_TILE,
+                                      store, &tiles[t], &qbad, &qm);
     sf_cu_wsum v;
     v.q_bad = __syncthreads_or(qbad);
     v.q_mass = sf_cu_block_sum(qm);
@@ -341,22 +437,37 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
 
 /* An upper bound of the row's mass over 2^40 (kernels_impl.h's mass_bound):
  * sf_exp2_up per token, eight tokens summed in float, the rest in double. */
+template <bool CUT>
+__device__ __forceinline__ float sf_cu_bound_e(const sf_cu_row &r, float x) {
+    const float e = sf_exp2_up(SF_FMUL(SF_FSUB(x, r.max), r.c));
+    return CUT && !(x >= r.cut_logit) ? 0.0f : e;
+}
+
+template <int DT, bool CUT>
+__device__ double sf_cu_local_bound(const sf_cu_row &r, const sf_cu_span &sp) {
+    double total = 0.0;
+    int64_t done = 0;
+    if (sp.al) {
+        const int nfull = (int)((sp.hi - sp.lo) >> 3);
+        for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
+            float x[8];
+            sf_cu_load8<DT>(sp.src, (int64_t)c * 8, (int64_t)c * 8 + 8, true, x);
+            float acc = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc += sf_cu_bound_e<CUT>(r, x[j]);
+            total += (double)acc;
+        }
+        done = (int64_t)nfull * 8;
+    }
+    for (int64_t v = sp.lo + done + threadIdx.x; v < sp.hi; v += SF_CU_THREADS)
+        total += (double)sf_cu_bound_e<CUT>(r, sf_cu_span1<DT>(sp, v));
+    return total;
+}
+
 template <int DT>
 __device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
-    const bool cut = r.cut_logit > -INFINITY;
-    double total = 0.0;
-    for (int64_t i0 = sp.lo + (int64_t)threadIdx.x * 8; i0 < sp.hi; i0 += SF_CU_TILE) {
-        float x[8];
-        sf_cu_span8<DT>(sp, i0, x);
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float e = sf_exp2_up(SF_FMUL(SF_FSUB(x[j], r.max), r.c));
-            if (cut && !(x[j] >= r.cut_logit)) e = 0.0f;
-            acc += e;
-        }
-        total += (double)acc;
-    }
+    const double total = r.cut_logit > -INFINITY ? sf_cu_local_bound<DT, true>(r, sp)
+                                                 : sf_cu_local_bound<DT, false>(r, sp);
     return sf_cu_cluster_all(sf_cu_block_dsum(total), sp.csize, sf_cu_dadd());
 }
 
@@ -484,9 +595,8 @@ template <int DT>
 __device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_params_row &p) {
     const int64_t n = sp.n;
     float m;
-    int32_t amax;
     int bad;
-    sf_cu_pass_max<DT>(sp, &m, &amax, &bad);
+    sf_cu_pass_max<DT>(sp, &m, NULL, &bad);
     if (bad) return SF_ERR_LOGITS;
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     if (threadIdx.x == 0) {

@@ -2,15 +2,17 @@
  * tests/cuda_emu/selftest.cu: small kernels that pin down what the emulator
  * models (tests/test_cuda_emu.py): shuffles, per-block shared memory,
  * __syncthreads_or, cluster reductions through distributed shared memory,
- * and the faults it must report rather than hide or hang on.
+ * and the faults it must report rather than hide or hang on; and that the
+ * kernels' integer fixed point equals the CPU's on every float.
  */
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <string.h>
 
-#define FULL 0xFFFFFFFFu
+#include "../../csrc/cpu/rowmath.h"
+#include "../../csrc/cuda/block.cuh"
 
-extern __shared__ __align__(16) uint64_t sf_cu_dynamic[];
+#define FULL 0xFFFFFFFFu
 
 namespace cg = cooperative_groups;
 
@@ -122,4 +124,11 @@ int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigne
         return (int)e;
     }
     return -1;
+}
+
+/* How many floats in [0, 2048), and -0, sf_cu_fixed maps other than sf_fixed. */
+extern "C" __attribute__((visibility("default"))) uint64_t sf_emu_fixed_mismatches(void) {
+    uint64_t bad = sf_cu_fixed(-0.0f) != sf_fixed(-0.0f);
+    for (uint32_t b = 0; b < sf_f2u(2048.0f); b++) bad += sf_cu_fixed(sf_u2f(b)) != sf_fixed(sf_u2f(b));
+    return bad;
 }
