@@ -80,5 +80,15 @@ if command -v ncu >/dev/null; then
     python3 bench/gpu/bench_gpu.py --only 1 --iters 1 --out /tmp/ncu_bench > "$RES/ncu.txt" 2>&1
   echo "ncu: rc=$? in $((SECONDS - T0)) s"
 fi
+# Occupancy against spills: the bar case built for 2 and 4 resident blocks
+# per SM (the default asks registers for 3), while the run is young enough.
+for mb in 2 4; do
+  [ "$SECONDS" -lt 420 ] || break
+  cmake -S . -B "build/gpu-mb$mb" -DCMAKE_BUILD_TYPE=Release -DSPECFAST_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90-real "-DCMAKE_CUDA_FLAGS=-DSF_CU_MIN_BLOCKS=$mb" >> build/gpu.log 2>&1 \
+    && cmake --build "build/gpu-mb$mb" -j "$JOBS" --target specfast_cuda >> build/gpu.log 2>&1 \
+    && SPECFAST_CUDA_LIBRARY="$PWD/build/gpu-mb$mb/libspecfast_cuda.so" timeout 60 \
+      python3 bench/gpu/bench_gpu.py --only 1 --out "/tmp/mb$mb" | sed "s/^/min blocks $mb: /" | tail -2
+done
 echo "summary: build=$BUILD tests=$TESTS bench=$BENCH memcheck=$SAN" | tee "$RES/summary.txt"
 [ "$TESTS" -eq 0 ] && [ "$BENCH" -eq 0 ]

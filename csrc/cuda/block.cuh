@@ -93,6 +93,24 @@ __device__ __forceinline__ void sf_cu_load8(const void *row, int64_t i0, int64_t
     for (int j = 0; j < 8; j++) x[j] = i0 + j < n ? sf_cu_load1<DT>(row, i0 + j) : -INFINITY;
 }
 
+/* A hint: global memory [p, p + bytes) into L2 while the block goes on
+ * (cp.async.bulk.prefetch of sm_90, which no intrinsic of CUDA 13.0 names).
+ * Whole 16-byte aligned ranges only; older GPUs skip it. The emulator
+ * (tests/cuda_emu, no nvcc) reads the range's two ends instead, so that its
+ * AddressSanitizer sees a range that leaves the buffer. One thread issues it. */
+__device__ __forceinline__ void sf_cu_prefetch_l2(const void *p, int64_t bytes) {
+    if (bytes <= 0 || bytes > (int64_t)UINT32_MAX || (((uintptr_t)p | (uintptr_t)bytes) & 15u))
+        return;
+#if !defined(__NVCC__)
+    (void)*(const volatile char *)p;
+    (void)((const volatile char *)p)[bytes - 1];
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p)),
+                 "r"((uint32_t)bytes)
+                 : "memory");
+#endif
+}
+
 /* 8 floats from p + i0 (a dense q or a stored residual); past n, 0. */
 __device__ __forceinline__ void sf_cu_floats8(const float *p, int64_t i0, int64_t n,
                                               bool aligned, float *x) {

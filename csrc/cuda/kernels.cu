@@ -471,6 +471,43 @@ __device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
     return sf_cu_cluster_all(sf_cu_block_dsum(total), sp.csize, sf_cu_dadd());
 }
 
+/* (max, NaN met, bound of the mass under that max): what the acceptance
+ * test of a row without a top-k / top-p cut needs, in one combine instead of
+ * a max and then a bound. Each thread bounds its tokens under its own max;
+ * parts combine as s1 2^((m1 - m) c) + s2 2^((m2 - m) c) with m the larger
+ * max, the factor in double and rounded up, so the sum stays a bound. The
+ * exponents add up to the row's own within a few float roundings of each
+ * (relative 2^-24 of at most 126 apiece), far inside the caller's margin. */
+struct sf_cu_maxb { float m; int bad; double s; };
+struct sf_cu_pick_maxb {
+    float c;
+    __device__ double scaled(const sf_cu_maxb &a, float m) const {
+        if (!(a.s > 0.0)) return 0.0;
+        if (a.m == m) return a.s;
+        return a.s * exp2((double)SF_FMUL(SF_FSUB(a.m, m), c)) * (1.0 + 0x1p-40);
+    }
+    __device__ sf_cu_maxb operator()(sf_cu_maxb a, sf_cu_maxb b) const {
+        const float m = SF_FADD(fmaxf(a.m, b.m), 0.0f);
+        return {m, a.bad | b.bad, scaled(a, m) + scaled(b, m)};
+    }
+    static __device__ sf_cu_maxb id() { return {-INFINITY, 0, 0.0}; }
+};
+
+template <int DT>
+__device__ void sf_cu_pass_max_bound(const sf_cu_span &sp, float c, float *mx, int *bad,
+                                     double *bound) {
+    const sf_cu_maxr lm = sf_cu_local_max<DT>(sp);
+    sf_cu_row r = {};
+    r.max = lm.m;
+    r.c = c;
+    sf_cu_maxb v = {lm.m, lm.bad, sf_cu_local_bound<DT, false>(r, sp)};
+    const sf_cu_pick_maxb op = {c};
+    v = sf_cu_cluster_all(sf_cu_block_all(v, op), sp.csize, op);
+    *mx = v.m;
+    *bad = v.bad || v.m == INFINITY;
+    *bound = v.s;
+}
+
 /* Radix select: the smallest rank key K of a candidate such that the
  * candidates with keys <= K weigh enough: count >= k (mode 0, candidates: the
  * finite logits) or (double) mass >= top_p * total mass (mode 1, candidates:
@@ -590,22 +627,33 @@ __device__ bool sf_cu_select(const sf_cu_row &r, const sf_cu_span &sp, int mode,
 }
 
 /* sf_dist_prepare without the mass: max, inverse temperature, top-k, top-p
- * and min-p cuts into d.r; resets the weights source. Returns a status. */
+ * and min-p cuts into d.r; resets the weights source. Returns a status.
+ * bound, when not NULL, takes an upper bound of the row's mass over 2^40
+ * where no top-k / top-p cut is to be found (with the max, in one combine),
+ * else -1. */
 template <int DT>
-__device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_params_row &p) {
+__device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_params_row &p,
+                             double *bound = NULL) {
     const int64_t n = sp.n;
+    const bool select = (p.top_k > 0 && p.top_k < n) || p.top_p < 1.0f;
+    const float inv_t = sf_inv_temperature(p.temperature);
     float m;
     int bad;
-    sf_cu_pass_max<DT>(sp, &m, NULL, &bad);
+    if (bound && !select) {
+        sf_cu_pass_max_bound<DT>(sp, SF_FMUL(inv_t, SF_LOG2E), &m, &bad, bound);
+    } else {
+        sf_cu_pass_max<DT>(sp, &m, NULL, &bad);
+        if (bound) *bound = -1.0;
+    }
     if (bad) return SF_ERR_LOGITS;
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     if (threadIdx.x == 0) {
         d.r.max = m;
-        d.r.inv_t = sf_inv_temperature(p.temperature);
-        d.r.c = SF_FMUL(d.r.inv_t, SF_LOG2E);
+        d.r.inv_t = inv_t;
+        d.r.c = SF_FMUL(inv_t, SF_LOG2E);
         d.r.cut_logit = -INFINITY;
         d.r.cut_id = INT32_MAX;
-        d.r.min_e = 0.0f;
+        d.r.min_e = select ? 0.0f : p.min_p; /* the cuts are found without it */
         d.base = NULL;
         d.scale = 1.0f;
         d.q = NULL;
@@ -614,6 +662,7 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_pa
         d.resid_next = 0;
     }
     __syncthreads();
+    if (!select) return SF_OK;
     uint64_t key;
     if (p.top_k > 0 && p.top_k < n) {
         sf_cu_row r = d.r;
@@ -977,6 +1026,12 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
             sp.src = stage;
             sp.al = true;
         }
+        /* The next row if the first child is accepted: into L2 while this
+         * one is worked on (wasted where it is rejected). */
+        if (threadIdx.x == 0 && first[cur + 1] >= 0)
+            sf_cu_prefetch_l2((const char *)a.logits +
+                                  ((size_t)((row0 + first[cur + 1] + 1) * a.row_stride) + lo) * esize,
+                              (hi - lo) * (int64_t)esize);
         const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth); /* wraps, as on the CPU */
         int32_t accepted = -1, emit = -1;
         if (p.temperature == 0.0f || a.method == SF_COUPLED) {
@@ -993,10 +1048,12 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch])
                 if (tok[ch] == emit) { accepted = ch; break; }
         } else {
-            st = sf_cu_prepare<DT>(d, sp, p);
+            double bound0;
+            st = sf_cu_prepare<DT>(d, sp, p, &bound0);
             if (st != SF_OK) break;
             /* verify.c: the exact mass of the row is summed only when a bound
-             * on it cannot accept the first child. */
+             * on it cannot accept the first child (the bound came with the
+             * max unless a top-k / top-p cut was found). */
             bool have_mass = false;
             uint32_t j = 0;
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch], j++) {
@@ -1021,9 +1078,13 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                 if (bad_q < 0) { st = SF_ERR_DRAFT_PROBS; break; }
                 if (try_bound) {
                     /* The margin covers the float sums and exp2's error many times over. */
-                    const double up = sf_cu_pass_bound<DT>(d.r, sp) * 1.001 * SF_MASS_ONE + 1.0;
+                    const double bound = bound0 >= 0.0 ? bound0 : sf_cu_pass_bound<DT>(d.r, sp);
+                    const double up = bound * 1.001 * SF_MASS_ONE + 1.0;
                     if (uq * up < (double)w) { accepted = ch; break; }
                 }
+                /* A dense rejection reads the child's q: into L2 under the mass pass. */
+                if (a.kind == SF_DRAFT_DENSE && threadIdx.x == 0)
+                    sf_cu_prefetch_l2(a.dense + node * n + lo, (hi - lo) * 4);
                 if (!have_mass) {
                     sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
                     have_mass = true;
