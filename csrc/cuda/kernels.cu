@@ -313,25 +313,43 @@ __device__ sf_cu_maxr sf_cu_local_max(const sf_cu_span &sp) {
     return {m, bad};
 }
 
-/* This thread's first token of the span equal to m (INT32_MAX if none):
- * each thread's tokens rise with its chunks, so it stops at its first. */
-template <int DT>
-__device__ int32_t sf_cu_local_first(const sf_cu_span &sp, float m) {
+/* Walks this thread's tokens of the span: whole 8-token chunks of an aligned
+ * span to chunk(id of the first, x[8]), the rest (all of an unaligned span)
+ * one by one to token(id, x). Either stops the walk by returning true. */
+template <int DT, class Chunk, class Token>
+__device__ __forceinline__ void sf_cu_walk(const sf_cu_span &sp, Chunk chunk, Token token) {
     int64_t done = 0;
     if (sp.al) {
         const int nfull = (int)((sp.hi - sp.lo) >> 3);
         for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
             float x[8];
             sf_cu_load8<DT>(sp.src, (int64_t)c * 8, (int64_t)c * 8 + 8, true, x);
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                if (x[j] == m) return (int32_t)(sp.lo + (int64_t)c * 8 + j);
+            if (chunk(sp.lo + (int64_t)c * 8, x)) return;
         }
         done = (int64_t)nfull * 8;
     }
     for (int64_t v = sp.lo + done + threadIdx.x; v < sp.hi; v += SF_CU_THREADS)
-        if (sf_cu_span1<DT>(sp, v) == m) return (int32_t)v;
-    return INT32_MAX;
+        if (token(v, sf_cu_span1<DT>(sp, v))) return;
+}
+
+/* This thread's first token of the span equal to m (INT32_MAX if none):
+ * each thread's tokens rise along its walk, so it stops at its first. */
+template <int DT>
+__device__ int32_t sf_cu_local_first(const sf_cu_span &sp, float m) {
+    int32_t first = INT32_MAX;
+    sf_cu_walk<DT>(
+        sp,
+        [&](int64_t i0, const float *x) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (x[j] == m) { first = (int32_t)(i0 + j); return true; }
+            return false;
+        },
+        [&](int64_t v, float x) {
+            if (x == m) first = (int32_t)v;
+            return x == m;
+        });
+    return first;
 }
 
 /* The row's max, the first index of it when amax is not NULL (greedy), and
@@ -446,21 +464,19 @@ __device__ __forceinline__ float sf_cu_bound_e(const sf_cu_row &r, float x) {
 template <int DT, bool CUT>
 __device__ double sf_cu_local_bound(const sf_cu_row &r, const sf_cu_span &sp) {
     double total = 0.0;
-    int64_t done = 0;
-    if (sp.al) {
-        const int nfull = (int)((sp.hi - sp.lo) >> 3);
-        for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
-            float x[8];
-            sf_cu_load8<DT>(sp.src, (int64_t)c * 8, (int64_t)c * 8 + 8, true, x);
+    sf_cu_walk<DT>(
+        sp,
+        [&](int64_t, const float *x) {
             float acc = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; j++) acc += sf_cu_bound_e<CUT>(r, x[j]);
             total += (double)acc;
-        }
-        done = (int64_t)nfull * 8;
-    }
-    for (int64_t v = sp.lo + done + threadIdx.x; v < sp.hi; v += SF_CU_THREADS)
-        total += (double)sf_cu_bound_e<CUT>(r, sf_cu_span1<DT>(sp, v));
+            return false;
+        },
+        [&](int64_t, float x) {
+            total += (double)sf_cu_bound_e<CUT>(r, x);
+            return false;
+        });
     return total;
 }
 
