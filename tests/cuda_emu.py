@@ -79,6 +79,8 @@ SELFTEST_CDEF = """
 int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigned cluster,
                     size_t shm, int *out, char *message, size_t message_size);
 uint64_t sf_emu_fixed_mismatches(void);
+int sf_emu_max_bound(int dtype, const void *logits, int64_t rows, int64_t n, unsigned cluster,
+                     float c, float *mx, int *bad, double *bound);
 """
 
 
@@ -86,7 +88,9 @@ def selftest():
     """``run(name, blocks, threads=256, cluster=1, shm=0)``: runs a kernel of
     tests/cuda_emu/selftest.cu, returning its (cudaError_t, message, out[]);
     ``run.fixed_mismatches()`` counts the floats where the kernels' fixed point
-    differs from the CPU's."""
+    differs from the CPU's; ``run.max_bound(rows, dtype, cluster, c)`` gives each
+    row's (max, bad, bound of its mass) as sf_verify finds them, `rows` 2-D of
+    float32 / float16, or of uint16 holding bfloat16 (dtype "bfloat16")."""
     import cffi
     import numpy as np
 
@@ -101,7 +105,22 @@ def selftest():
                                 ffi.cast("int *", out.ctypes.data), msg, 4096)
         return e, ffi.string(msg).decode(), out
 
+    def max_bound(rows, dtype, cluster, c):
+        rows = np.ascontiguousarray(rows)
+        code = {"float32": 0, "float16": 1, "bfloat16": 2}[dtype]
+        mx = np.zeros(len(rows), np.float32)
+        bad = np.zeros(len(rows), np.int32)
+        bound = np.zeros(len(rows), np.float64)
+        e = lib.sf_emu_max_bound(code, ffi.cast("void *", rows.ctypes.data), len(rows),
+                                 rows.shape[1], cluster, c,
+                                 ffi.cast("float *", mx.ctypes.data),
+                                 ffi.cast("int *", bad.ctypes.data),
+                                 ffi.cast("double *", bound.ctypes.data))
+        assert e == 0, f"launch failed: cudaError_t {e}"
+        return mx, bad, bound
+
     run.fixed_mismatches = lib.sf_emu_fixed_mismatches
+    run.max_bound = max_bound
     return run
 
 

@@ -129,3 +129,66 @@ def test_kernels_have_no_race(race_check):
     races = r.stderr.count("WARNING: ThreadSanitizer")
     assert r.returncode == 0 and races == 0, r.stderr[-4000:] + r.stdout
     assert "0 launches failed" in r.stdout
+
+
+def _rows_of(dtype, x):
+    """x (float32) in `dtype` for the kernel, and the exact values it holds."""
+    if dtype == "float32":
+        return x, x.astype(np.float64)
+    if dtype == "float16":
+        h = x.astype(np.float16)
+        return h, h.astype(np.float64)
+    b = x.view(np.uint32)
+    u = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # to nearest, even
+    u = np.where(np.isnan(x), np.uint16(0x7FC0), u)
+    return u, (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("n, cluster", [(1, 1), (37, 1), (6151, 3), (20000, 8), (151936, 8)])
+def test_the_bound_verify_accepts_on_is_a_tight_upper_bound_of_the_mass(dtype, n, cluster):
+    """sf_verify accepts a draft token without summing the row's mass where a
+    bound of that mass already decides it: the bound must never be below the
+    mass (that would accept what the CPU rejects), and near it (within the
+    chord's 6.2%) for the shortcut to pay."""
+    if os.environ["SPECFAST_CUDA_EMU_ORDER"] != "12345":
+        pytest.skip("arithmetic: one thread order is enough")
+    rng = np.random.default_rng(n * 7 + cluster)
+    big = 60000.0 if dtype == "float16" else 3e5
+    rows = [rng.normal(0, 3, n), rng.normal(0, 3, n) + big, rng.normal(0, 3, n) - big,
+            np.full(n, 1.5), rng.normal(0, 0.01, n), rng.uniform(-200, 0, n)]
+    peaked = rng.normal(0, 1, n)
+    peaked[rng.integers(n)] = 40.0
+    rows.append(peaked)
+    masked = np.where(rng.random(n) < 0.9, -np.inf, rng.normal(0, 3, n))
+    masked[rng.integers(n)] = 2.0
+    rows.append(masked)
+    x = np.stack(rows).astype(np.float32)
+    data, exact = _rows_of(dtype, x)
+    for t in [1.0, 0.7, 0.05, 4.0]:
+        c = np.float32(np.float32(1 / t) * np.float32(np.log2(np.e)))
+        mx, bad, bound = run.max_bound(data, dtype, cluster, float(c))
+        np.testing.assert_array_equal(mx, exact.max(axis=1).astype(np.float32))
+        assert not bad.any()
+        m = mx.astype(np.float64)[:, None]
+        mass = np.exp2((exact - m) * float(c)).sum(axis=1)
+        assert (bound >= mass * (1 - 1e-5)).all(), (t, bound / mass)
+        assert (bound <= mass * 1.07).all(), (t, bound / mass)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_bound_where_none_is_worth_giving_or_the_row_is_bad(dtype):
+    if os.environ["SPECFAST_CUDA_EMU_ORDER"] != "12345":
+        pytest.skip("arithmetic: one thread order is enough")
+    n = 5000
+    rng = np.random.default_rng(3)
+    nan, inf, huge, masked = (rng.normal(0, 3, n) for _ in range(4))
+    nan[4321] = np.nan
+    inf[17] = np.inf
+    huge[99] = 1e30  # max * c far past 2^29: no bound, so the mass is summed
+    masked[:] = -np.inf
+    data, exact = _rows_of(dtype, np.stack([nan, inf, huge, masked]).astype(np.float32))
+    mx, bad, bound = run.max_bound(data, dtype, 3, 1.4426950)
+    assert bad.tolist() == [1, 1, 0, 0]
+    assert mx[2] == exact[2].max() and bound[2] == np.inf
+    assert mx[3] == -np.inf

@@ -263,56 +263,6 @@ struct sf_cu_pick_max {
     static __device__ sf_cu_maxr id() { return {-INFINITY, 0}; }
 };
 
-/* This thread's max of the span and whether it met a NaN. Aligned spans go
- * 8 tokens a load; 16-bit rows stay in pairs under the NaN-propagating
- * bf16x2 / half2 max (exact: a max rounds nothing). */
-template <int DT>
-__device__ sf_cu_maxr sf_cu_local_max(const sf_cu_span &sp) {
-    float m = -INFINITY;
-    int bad = 0;
-    int64_t done = 0;
-    if (sp.al) {
-        const int nfull = (int)((sp.hi - sp.lo) >> 3);
-        if constexpr (DT == SF_F32) {
-            const float4 *s = (const float4 *)sp.src;
-            uint32_t mag = 0; /* |x| bits: above +inf's is a NaN */
-            for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
-                const float4 a = s[2 * c], b = s[2 * c + 1];
-                const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    m = fmaxf(m, x[j]);
-                    mag = max(mag, sf_f2u(x[j]) & 0x7FFFFFFFu);
-                }
-            }
-            bad = mag > 0x7F800000u;
-        } else {
-            const uint4 *s = (const uint4 *)sp.src;
-            const uint32_t ninf = DT == SF_BF16 ? 0xFF80FF80u : 0xFC00FC00u;
-            uint32_t m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
-            for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
-                const uint4 u = s[c];
-                m0 = sf_cu_max2<DT>(m0, u.x);
-                m1 = sf_cu_max2<DT>(m1, u.y);
-                m2 = sf_cu_max2<DT>(m2, u.z);
-                m3 = sf_cu_max2<DT>(m3, u.w);
-            }
-            float x[2];
-            sf_cu_unpack16(DT, sf_cu_max2<DT>(sf_cu_max2<DT>(m0, m1), sf_cu_max2<DT>(m2, m3)), x);
-            bad = x[0] != x[0] || x[1] != x[1];
-            m = fmaxf(x[0], x[1]);
-        }
-        done = (int64_t)nfull * 8;
-    }
-    /* The tail, or the whole span where it is not aligned. */
-    for (int64_t v = sp.lo + done + threadIdx.x; v < sp.hi; v += SF_CU_THREADS) {
-        const float x = sf_cu_span1<DT>(sp, v);
-        bad |= x != x;
-        m = fmaxf(m, x);
-    }
-    return {m, bad};
-}
-
 /* Walks this thread's tokens of the span: whole 8-token chunks of an aligned
  * span to chunk(id of the first, x[8]), the rest (all of an unaligned span)
  * one by one to token(id, x). Either stops the walk by returning true. */
@@ -330,6 +280,54 @@ __device__ __forceinline__ void sf_cu_walk(const sf_cu_span &sp, Chunk chunk, To
     }
     for (int64_t v = sp.lo + done + threadIdx.x; v < sp.hi; v += SF_CU_THREADS)
         if (token(v, sf_cu_span1<DT>(sp, v))) return;
+}
+
+/* This thread's max of the span and whether it met a NaN. 16-bit rows stay
+ * in pairs under the NaN-propagating bf16x2 / half2 max over whole 8-token
+ * chunks (exact: a max rounds nothing); the rest, and float32, go by the walk. */
+template <int DT>
+__device__ sf_cu_maxr sf_cu_local_max(const sf_cu_span &sp) {
+    float m = -INFINITY;
+    uint32_t mag = 0; /* |x| bits: above +inf's is a NaN */
+    const auto take = [&](float x) {
+        m = fmaxf(m, x);
+        mag = max(mag, sf_f2u(x) & 0x7FFFFFFFu);
+    };
+    sf_cu_span rest = sp;
+    if constexpr (DT != SF_F32) {
+        if (sp.al) {
+            const uint4 *s = (const uint4 *)sp.src;
+            const int nfull = (int)((sp.hi - sp.lo) >> 3);
+            const uint32_t ninf = DT == SF_BF16 ? 0xFF80FF80u : 0xFC00FC00u;
+            uint32_t m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
+            for (int c = threadIdx.x; c < nfull; c += SF_CU_THREADS) {
+                const uint4 u = s[c];
+                m0 = sf_cu_max2<DT>(m0, u.x);
+                m1 = sf_cu_max2<DT>(m1, u.y);
+                m2 = sf_cu_max2<DT>(m2, u.z);
+                m3 = sf_cu_max2<DT>(m3, u.w);
+            }
+            float x[2];
+            sf_cu_unpack16(DT, sf_cu_max2<DT>(sf_cu_max2<DT>(m0, m1), sf_cu_max2<DT>(m2, m3)), x);
+            take(x[0]);
+            take(x[1]);
+            rest.src = s + nfull;
+            rest.lo += (int64_t)nfull * 8;
+        }
+        rest.al = false; /* what is left goes token by token */
+    }
+    sf_cu_walk<DT>(
+        rest,
+        [&](int64_t, const float *x) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) take(x[j]);
+            return false;
+        },
+        [&](int64_t, float x) {
+            take(x);
+            return false;
+        });
+    return {m, mag > 0x7F800000u};
 }
 
 /* This thread's first token of the span equal to m (INT32_MAX if none):
@@ -487,26 +485,42 @@ __device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
     return sf_cu_cluster_all(sf_cu_block_dsum(total), sp.csize, sf_cu_dadd());
 }
 
-/* (max, NaN met, bound of the mass under that max): what the acceptance
- * test of a row without a top-k / top-p cut needs, in one combine instead of
- * a max and then a bound. Each thread bounds its tokens under its own max;
- * parts combine as s1 2^((m1 - m) c) + s2 2^((m2 - m) c) with m the larger
- * max, the factor in double and rounded up, so the sum stays a bound. The
- * exponents add up to the row's own within a few float roundings of each
- * (relative 2^-24 of at most 126 apiece), far inside the caller's margin. */
-struct sf_cu_maxb { float m; int bad; double s; };
+/* (max, bound of the mass): what the acceptance test of a row without a
+ * top-k / top-p cut needs, in one combine instead of a max and then a bound.
+ * Each thread bounds its tokens under its own max m, then moves that sum to
+ * the power of two 2^k, k = ceil(m c) (m c is exact in double): s bounds the
+ * sum of 2^(x c - k). Parts then combine by exact powers of two, with no exp2
+ * per step, and the row's bound is s 2^(k - max c), once, at the end. A NaN
+ * met sets k to SF_CU_KBAD, which wins every step. */
+#define SF_CU_KMAX (1 << 29) /* |k| beyond it: m c out of the range worth a bound */
+#define SF_CU_KBAD (1 << 30)
+struct sf_cu_maxb { float m; int32_t k; double s; };
+
+/* 2^d for d <= 0, and 2^-1022 below that (an upper bound, never 0). */
+__device__ __forceinline__ double sf_cu_pow2(int32_t d) {
+    const uint64_t b = (uint64_t)(1023 + max(d, -1022)) << 52;
+    double r;
+    memcpy(&r, &b, 8);
+    return r;
+}
+
+__device__ sf_cu_maxb sf_cu_maxb_of(float m, int bad, double s, float c) {
+    const double y = (double)m * (double)c;
+    if (bad) return {m, SF_CU_KBAD, 0.0};
+    if (y != y || y >= SF_CU_KMAX) return {m, SF_CU_KMAX, INFINITY}; /* no bound */
+    /* Far below (or -inf, no tokens): 2^(y - k) <= 1, so s is still a bound. */
+    if (y <= -SF_CU_KMAX) return {m, -SF_CU_KMAX, s};
+    const double k = ceil(y);
+    return {m, (int32_t)k, s * exp2(y - k) * (1.0 + 0x1p-40)};
+}
+
 struct sf_cu_pick_maxb {
-    float c;
-    __device__ double scaled(const sf_cu_maxb &a, float m) const {
-        if (!(a.s > 0.0)) return 0.0;
-        if (a.m == m) return a.s;
-        return a.s * exp2((double)SF_FMUL(SF_FSUB(a.m, m), c)) * (1.0 + 0x1p-40);
-    }
     __device__ sf_cu_maxb operator()(sf_cu_maxb a, sf_cu_maxb b) const {
-        const float m = SF_FADD(fmaxf(a.m, b.m), 0.0f);
-        return {m, a.bad | b.bad, scaled(a, m) + scaled(b, m)};
+        const int32_t k = max(a.k, b.k);
+        return {SF_FADD(fmaxf(a.m, b.m), 0.0f), k,
+                a.s * sf_cu_pow2(a.k - k) + b.s * sf_cu_pow2(b.k - k)};
     }
-    static __device__ sf_cu_maxb id() { return {-INFINITY, 0, 0.0}; }
+    static __device__ sf_cu_maxb id() { return {-INFINITY, -SF_CU_KMAX, 0.0}; }
 };
 
 template <int DT>
@@ -516,12 +530,14 @@ __device__ void sf_cu_pass_max_bound(const sf_cu_span &sp, float c, float *mx, i
     sf_cu_row r = {};
     r.max = lm.m;
     r.c = c;
-    sf_cu_maxb v = {lm.m, lm.bad, sf_cu_local_bound<DT, false>(r, sp)};
-    const sf_cu_pick_maxb op = {c};
+    sf_cu_maxb v = sf_cu_maxb_of(lm.m, lm.bad, sf_cu_local_bound<DT, false>(r, sp), c);
+    const sf_cu_pick_maxb op = {};
     v = sf_cu_cluster_all(sf_cu_block_all(v, op), sp.csize, op);
     *mx = v.m;
-    *bad = v.bad || v.m == INFINITY;
-    *bound = v.s;
+    *bad = v.k == SF_CU_KBAD || v.m == INFINITY;
+    /* k - max c lies in [0, 1) unless a part gave no bound or the row is masked. */
+    const double e = (double)v.k - (double)v.m * (double)c;
+    *bound = e >= 0.0 && e < 1.0 && v.s < INFINITY ? v.s * exp2(e) * (1.0 + 0x1p-40) : INFINITY;
 }
 
 /* Radix select: the smallest rank key K of a candidate such that the

@@ -2,15 +2,16 @@
  * tests/cuda_emu/selftest.cu: small kernels that pin down what the emulator
  * models (tests/test_cuda_emu.py): shuffles, per-block shared memory,
  * __syncthreads_or, cluster reductions through distributed shared memory,
- * and the faults it must report rather than hide or hang on; and that the
- * kernels' integer fixed point equals the CPU's on every float.
+ * and the faults it must report rather than hide or hang on; that the
+ * kernels' integer fixed point equals the CPU's on every float; and the bound
+ * of a row's mass that the kernels accept on without summing it.
  */
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <string.h>
 
 #include "../../csrc/cpu/rowmath.h"
-#include "../../csrc/cuda/block.cuh"
+#include "../../csrc/cuda/kernels.cu"
 
 #define FULL 0xFFFFFFFFu
 
@@ -131,4 +132,43 @@ extern "C" __attribute__((visibility("default"))) uint64_t sf_emu_fixed_mismatch
     uint64_t bad = sf_cu_fixed(-0.0f) != sf_fixed(-0.0f);
     for (uint32_t b = 0; b < sf_f2u(2048.0f); b++) bad += sf_cu_fixed(sf_u2f(b)) != sf_fixed(sf_u2f(b));
     return bad;
+}
+
+/* Rows of n logits, each shared by a cluster of blocks in slices of `slice`
+ * tokens as sf_verify splits a row: per row the max, whether the row is bad
+ * and the bound of its mass under the max, from sf_cu_pass_max_bound. */
+template <int DT>
+__global__ void k_max_bound(const void *logits, int64_t n, int64_t slice, float c, float *mx,
+                            int *bad, double *bound) {
+    const int csize = (int)cg::this_cluster().num_blocks();
+    const int rank = (int)(blockIdx.x % csize);
+    const int64_t r = blockIdx.x / csize, lo = min(rank * slice, n), hi = min(lo + slice, n);
+    const char *row = (const char *)logits + r * n * (DT == SF_F32 ? 4 : 2);
+    const void *mine = row + lo * (DT == SF_F32 ? 4 : 2);
+    const sf_cu_span sp = {mine, row, lo, hi, n, sf_cu_aligned(mine), csize};
+    float m;
+    int b;
+    double u;
+    sf_cu_pass_max_bound<DT>(sp, c, &m, &b, &u);
+    if (rank == 0 && threadIdx.x == 0) { mx[r] = m; bad[r] = b; bound[r] = u; }
+}
+
+extern "C" __attribute__((visibility("default")))
+int sf_emu_max_bound(int dtype, const void *logits, int64_t rows, int64_t n, unsigned cluster,
+                     float c, float *mx, int *bad, double *bound) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)rows * cluster);
+    cfg.blockDim = dim3(SF_CU_THREADS);
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster;
+    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    const int64_t slice = ((n + SF_CU_TILE - 1) / SF_CU_TILE + cluster - 1) / cluster * SF_CU_TILE;
+    if (dtype == SF_F32)
+        return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_F32>, logits, n, slice, c, mx, bad, bound);
+    if (dtype == SF_BF16)
+        return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_BF16>, logits, n, slice, c, mx, bad, bound);
+    return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_F16>, logits, n, slice, c, mx, bad, bound);
 }
