@@ -81,6 +81,7 @@ int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigne
 uint64_t sf_emu_fixed_mismatches(void);
 int sf_emu_max_bound(int dtype, const void *logits, int64_t rows, int64_t n, unsigned cluster,
                      float c, float *mx, int *bad, double *bound);
+int sf_emu_exp2_up_range(double *lo, double *hi);
 """
 
 
@@ -90,7 +91,10 @@ def selftest():
     ``run.fixed_mismatches()`` counts the floats where the kernels' fixed point
     differs from the CPU's; ``run.max_bound(rows, dtype, cluster, c)`` gives each
     row's (max, bad, bound of its mass) as sf_verify finds them, `rows` 2-D of
-    float32 / float16, or of uint16 holding bfloat16 (dtype "bfloat16")."""
+    float32 / float16, or of uint16 holding bfloat16 (dtype "bfloat16");
+    ``run.exp2_up_range()`` the (least, largest) ratio of the kernels' bound of
+    2^y to 2^y over every float y in [-126, 0], and whether -inf and NaN count
+    as -126."""
     import cffi
     import numpy as np
 
@@ -119,8 +123,14 @@ def selftest():
         assert e == 0, f"launch failed: cudaError_t {e}"
         return mx, bad, bound
 
+    def exp2_up_range():
+        lo, hi = ffi.new("double *"), ffi.new("double *")
+        specials = lib.sf_emu_exp2_up_range(lo, hi)
+        return lo[0], hi[0], bool(specials)
+
     run.fixed_mismatches = lib.sf_emu_fixed_mismatches
     run.max_bound = max_bound
+    run.exp2_up_range = exp2_up_range
     return run
 
 

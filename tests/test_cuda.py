@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import specfast as sf
-from reference import draft_arg, pack, random_request, to_dtype
+from reference import BF16, draft_arg, pack, random_request, to_dtype
 
 torch = pytest.importorskip("torch")
 
@@ -248,6 +248,83 @@ def test_errors_are_reported(rng):
     with pytest.raises(ValueError, match="sampling parameter"):
         _cuda.sample(to_torch(np.zeros((2, 5), np.float32)), top_p=to_torch(np.array([0.5, 2.0], np.float32)),
                      check=True)
+
+
+BAD_LOGITS = 4 | 2 << 8  # SF_ERR_LOGITS, met while running
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [50, 2061, 4099, 32000], ids=lambda v: f"V{v}")
+def test_bad_logits_are_reported_wherever_they_sit(vocab, dtype, bad, rng):
+    """A NaN or +inf in a 16-byte chunk or a row's tail, in either half of a 16-bit
+    pair, stops its row in greedy and sampled draws and in verify's fused max and
+    bound (a big logit beside it: the pair's NaN hides it from the thread's max)."""
+    pos = sorted({0, 1, 7, 8, 15, 16, vocab // 2, vocab - 9, vocab - 8, vocab - 2, vocab - 1})
+    x = rng.standard_normal((len(pos) + 1, vocab)).astype(np.float32)
+    for r, p in enumerate(pos):
+        x[r, (p + 2) % vocab] = 100.0
+        x[r, p] = bad
+    x = to_dtype(x, dtype)
+    want = [BAD_LOGITS] * len(pos) + [0]
+    for temperature in (0.0, 1.0):
+        status = torch.empty(len(x), dtype=torch.int32, device=DEV)
+        _cuda.sample(to_torch(x), temperature=temperature, out={"status": status}, check=False)
+        assert status.cpu().tolist() == want, temperature
+    # Request r: the bad row, then the clean last row (drafted to, dense probs).
+    rows = np.concatenate([np.stack([x[r], x[-1]]) for r in range(len(x))])
+    q = np.full((len(x), vocab), 1.0 / vocab, np.float32)
+    status = torch.empty(len(x), dtype=torch.int32, device=DEV)
+    _cuda.verify(to_torch(rows), to_torch(np.zeros(len(x), np.int32)), np.ones(len(x), np.int32),
+                 draft_probs=to_torch(q), out={"status": status}, check=False)
+    assert status.cpu().tolist() == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [50, 4099, 32000], ids=lambda v: f"V{v}")
+def test_greedy_takes_the_first_max_across_signed_zeros(vocab, dtype, rng):
+    """-0 and +0 are one max: greedy takes the lower id, in one thread, across
+    threads and across the blocks of a cluster."""
+    rows = []
+    for a, b in [(3, 9), (9, 3), (0, vocab - 1), (vocab - 1, 0), (vocab // 2, 5),
+                 (min(2047, vocab - 2), min(2049, vocab - 3))]:
+        row = np.full(vocab, -np.inf, np.float32)
+        row[rng.integers(0, vocab, 10)] = -1.0
+        row[a], row[b] = -0.0, 0.0
+        rows.append(row)
+    x = to_dtype(np.stack(rows), dtype)
+    np.testing.assert_array_equal(sf.sample(x, temperature=0.0),
+                                  _cuda.sample(to_torch(x), temperature=0.0, check=True).cpu().numpy())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 1e-30, 1e29])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_subnormals(dtype, temperature, rng):
+    """Every logit subnormal, of either sign: nothing may flush them to zero."""
+    width = {"float32": 32, "float16": 16, "bfloat16": 16}[dtype]
+    mant = {"float32": 23, "float16": 10, "bfloat16": 7}[dtype]
+    ut = np.uint32 if width == 32 else np.uint16
+    bits = (rng.integers(1, 1 << mant, (6, 4099)) | (rng.integers(0, 2, (6, 4099)) << (width - 1))).astype(ut)
+    x = bits.view({"float32": np.float32, "float16": np.float16, "bfloat16": BF16}[dtype])
+    np.testing.assert_array_equal(
+        sf.sample(x, temperature=temperature, seed=3),
+        _cuda.sample(to_torch(x), temperature=temperature, seed=3, check=True).cpu().numpy())
+
+
+@pytest.mark.parametrize("offset", [1, 3, 4])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_rows_that_start_off_16_bytes(dtype, offset, rng):
+    x = (rng.standard_normal((9, 2100)) * 2).astype(np.float32)
+    x[::2, 0] = 9.0
+    x[1, 2099] = 9.0
+    wide = np.zeros((9, 2108), np.float32)
+    wide[:, offset:offset + 2100] = x
+    xd = to_dtype(x, dtype)
+    rows = to_torch(to_dtype(wide, dtype))[:, offset:offset + 2100]
+    for temperature in (0.0, 1.0):
+        np.testing.assert_array_equal(
+            sf.sample(xd, temperature=temperature, seed=1),
+            _cuda.sample(rows, temperature=temperature, seed=1, check=True).cpu().numpy())
 
 
 @pytest.mark.parametrize("bad", [

@@ -78,6 +78,14 @@ def test_fixed_point_matches_the_cpu_on_every_float():
     assert run.fixed_mismatches() == 0
 
 
+def test_the_kernels_bound_of_exp2_is_above_it_within_the_chord_on_every_float():
+    if os.environ["SPECFAST_CUDA_EMU_ORDER"] != "forward":
+        pytest.skip("arithmetic: one thread order is enough")
+    lo, hi, specials = run.exp2_up_range()
+    assert 1.0 <= lo and hi <= 1.0615 * (1 + 2**-14)  # the chord's worst, 2^-15 in y more
+    assert specials
+
+
 def test_launch_limits():
     e, msg, _ = run("shared", 3, cluster=2)
     assert e != 0 and "does not divide the grid" in msg

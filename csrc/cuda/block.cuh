@@ -94,19 +94,22 @@ __device__ __forceinline__ void sf_cu_load8(const void *row, int64_t i0, int64_t
 }
 
 /* A hint: global memory [p, p + bytes) into L2 while the block goes on
- * (cp.async.bulk.prefetch of sm_90, which no intrinsic of CUDA 13.0 names).
- * Whole 16-byte aligned ranges only; older GPUs skip it. The emulator
- * (tests/cuda_emu, no nvcc) reads the range's two ends instead, so that its
- * AddressSanitizer sees a range that leaves the buffer. One thread issues it. */
+ * (cp.async.bulk.prefetch of sm_90, which no intrinsic of CUDA 13.0 names),
+ * its whole 16-byte blocks (the instruction takes no other); older GPUs skip
+ * it. The emulator (tests/cuda_emu, no nvcc) reads the two ends instead, so
+ * that its AddressSanitizer sees a range that leaves the buffer. One thread
+ * issues it. */
 __device__ __forceinline__ void sf_cu_prefetch_l2(const void *p, int64_t bytes) {
-    if (bytes <= 0 || bytes > (int64_t)UINT32_MAX || (((uintptr_t)p | (uintptr_t)bytes) & 15u))
-        return;
+    if (bytes <= 0) return;
+    const uintptr_t a = ((uintptr_t)p + 15) & ~(uintptr_t)15;
+    const uintptr_t e = ((uintptr_t)p + (uintptr_t)bytes) & ~(uintptr_t)15;
+    if (e <= a || e - a > UINT32_MAX) return;
 #if !defined(__NVCC__)
-    (void)*(const volatile char *)p;
-    (void)((const volatile char *)p)[bytes - 1];
+    (void)*(const volatile char *)a;
+    (void)*(const volatile char *)(e - 1);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p)),
-                 "r"((uint32_t)bytes)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global((const void *)a)),
+                 "r"((uint32_t)(e - a))
                  : "memory");
 #endif
 }
@@ -148,6 +151,17 @@ __device__ __forceinline__ float sf_cu_row_e(const sf_cu_row &r, float l) {
 __device__ __forceinline__ float sf_cu_row_base(const sf_cu_row &r, float l, int64_t v) {
     float e = sf_cu_row_e(r, l);
     return (sf_cu_above_cut(r, l, v) && e >= r.min_e) ? e : 0.0f;
+}
+
+/* An upper bound of 2^y for y <= 0: shared.h's sf_exp2_up, the chord read
+ * off the bits of (y + 127) 2^23, without its float-to-int conversion (a
+ * slow pipe on the GPU). 384 + y (in [258, 384] once y is clamped at -126)
+ * holds y to the nearest 2^-15 in its low bits; half a step more puts the
+ * chord's point at or above y: sf_exp2_up at most 2^-15 above y. */
+__device__ __forceinline__ float sf_cu_exp2_up(float y) {
+    y = y > -126.0f ? y : -126.0f;
+    const uint32_t t = sf_f2u(SF_FADD(y, 384.0f));
+    return sf_u2f(t * 256u + (0x3F800080u - 0x43C00000u * 256u));
 }
 
 /* As rowmath.h's sf_resid: 0 where b is 0, whatever an unchecked q holds. */

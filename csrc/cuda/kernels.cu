@@ -94,6 +94,7 @@ struct sf_cu_rows_args {
 /* Blocks per request in sf_verify (a cluster; 8 is the portable maximum),
  * and the most shared memory a block stages a slice of a row in. */
 #define SF_CU_CLUSTER 8
+static_assert(SF_CU_CLUSTER <= 8, "sf_cu_cluster_all combines a cluster in 8 lanes");
 #define SF_CU_STAGE_MAX (96 * 1024)
 #ifndef SF_CU_MIN_BLOCKS /* resident blocks per SM the registers must allow */
 #define SF_CU_MIN_BLOCKS 3
@@ -451,49 +452,74 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
     return v.total;
 }
 
-/* An upper bound of the row's mass over 2^40 (kernels_impl.h's mass_bound):
- * sf_exp2_up per token, eight tokens summed in float, the rest in double. */
+/* Upper bounds of a row's mass over 2^40, to the end of kernels_impl.h's
+ * mass_bound (any bound will do: it only lets an acceptance skip the exact
+ * sum). Under a power of two 2^k with k = ceil(m c) for a max m (m c is
+ * exact in double): the chord of 2^(x c - k) per token, x c - k in one fused
+ * multiply-add, so rounded once near its own size whatever x c's (no x - m
+ * first); eight tokens summed in float, the rest in double. k is then moved
+ * to the max, s 2^(k - m c), once. */
+#define SF_CU_KMAX (1 << 24) /* |k| within it: exact in float */
+#define SF_CU_KBAD (1 << 30)
+
 template <bool CUT>
-__device__ __forceinline__ float sf_cu_bound_e(const sf_cu_row &r, float x) {
-    const float e = sf_exp2_up(SF_FMUL(SF_FSUB(x, r.max), r.c));
+__device__ __forceinline__ float sf_cu_bound_e(const sf_cu_row &r, float k, float x) {
+    const float e = sf_cu_exp2_up(__fmaf_rn(x, r.c, -k));
     return CUT && !(x >= r.cut_logit) ? 0.0f : e;
 }
 
+/* This thread's bound of the sum of 2^(x c - k) over its tokens. */
 template <int DT, bool CUT>
-__device__ double sf_cu_local_bound(const sf_cu_row &r, const sf_cu_span &sp) {
+__device__ double sf_cu_local_bound(const sf_cu_row &r, const sf_cu_span &sp, float k) {
     double total = 0.0;
     sf_cu_walk<DT>(
         sp,
         [&](int64_t, const float *x) {
-            float acc = 0.0f;
+            float acc = sf_cu_bound_e<CUT>(r, k, x[0]);
 #pragma unroll
-            for (int j = 0; j < 8; j++) acc += sf_cu_bound_e<CUT>(r, x[j]);
+            for (int j = 1; j < 8; j++) acc += sf_cu_bound_e<CUT>(r, k, x[j]);
             total += (double)acc;
             return false;
         },
         [&](int64_t, float x) {
-            total += (double)sf_cu_bound_e<CUT>(r, x);
+            total += (double)sf_cu_bound_e<CUT>(r, k, x);
             return false;
         });
     return total;
 }
 
-template <int DT>
-__device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
-    const double total = r.cut_logit > -INFINITY ? sf_cu_local_bound<DT, true>(r, sp)
-                                                 : sf_cu_local_bound<DT, false>(r, sp);
-    return sf_cu_cluster_all(sf_cu_block_dsum(total), sp.csize, sf_cu_dadd());
+/* ceil(m c), or SF_CU_KMAX where m c is NaN or too large for a bound, and
+ * -SF_CU_KMAX where it lies far below (-inf: no tokens), where 2^(m c - k)
+ * <= 1 keeps the sum under k a bound. */
+__device__ __forceinline__ int32_t sf_cu_bound_k(float m, float c) {
+    const double y = (double)m * (double)c;
+    if (!(y < SF_CU_KMAX)) return SF_CU_KMAX;
+    return y > -SF_CU_KMAX ? (int32_t)ceil(y) : -SF_CU_KMAX;
 }
 
-/* (max, bound of the mass): what the acceptance test of a row without a
- * top-k / top-p cut needs, in one combine instead of a max and then a bound.
- * Each thread bounds its tokens under its own max m, then moves that sum to
- * the power of two 2^k, k = ceil(m c) (m c is exact in double): s bounds the
- * sum of 2^(x c - k). Parts then combine by exact powers of two, with no exp2
- * per step, and the row's bound is s 2^(k - max c), once, at the end. A NaN
- * met sets k to SF_CU_KBAD, which wins every step. */
-#define SF_CU_KMAX (1 << 29) /* |k| beyond it: m c out of the range worth a bound */
-#define SF_CU_KBAD (1 << 30)
+/* The bound under the row's max m from s, a bound of the sum of 2^(x c - k):
+ * k - m c lies in [0, 1) unless no bound was worth giving or the row is
+ * masked, where it is +inf (the caller then sums the mass). */
+__device__ __forceinline__ double sf_cu_bound_at_max(double s, int32_t k, float m, float c) {
+    const double e = (double)k - (double)m * (double)c;
+    return e >= 0.0 && e < 1.0 && k < SF_CU_KMAX ? s * exp2(e) * (1.0 + 0x1p-40) : INFINITY;
+}
+
+/* The bound of a row with a cut (d.r, its max found). */
+template <int DT>
+__device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
+    const int32_t k = sf_cu_bound_k(r.max, r.c);
+    const double total = r.cut_logit > -INFINITY ? sf_cu_local_bound<DT, true>(r, sp, (float)k)
+                                                 : sf_cu_local_bound<DT, false>(r, sp, (float)k);
+    const double s = sf_cu_cluster_all(sf_cu_block_dsum(total), sp.csize, sf_cu_dadd());
+    return sf_cu_bound_at_max(s, k, r.max, r.c);
+}
+
+/* (max, k, bound of the sum of 2^(x c - k)): what the acceptance test of a
+ * row without a top-k / top-p cut needs, in one combine instead of a max and
+ * then a bound. Each thread bounds its tokens under its own max's k; parts
+ * combine by exact powers of two (a shift and two adds, no exp2 a step). A
+ * NaN met sets k to SF_CU_KBAD, which wins every step. */
 struct sf_cu_maxb { float m; int32_t k; double s; };
 
 /* 2^d for d <= 0, and 2^-1022 below that (an upper bound, never 0). */
@@ -504,21 +530,13 @@ __device__ __forceinline__ double sf_cu_pow2(int32_t d) {
     return r;
 }
 
-__device__ sf_cu_maxb sf_cu_maxb_of(float m, int bad, double s, float c) {
-    const double y = (double)m * (double)c;
-    if (bad) return {m, SF_CU_KBAD, 0.0};
-    if (y != y || y >= SF_CU_KMAX) return {m, SF_CU_KMAX, INFINITY}; /* no bound */
-    /* Far below (or -inf, no tokens): 2^(y - k) <= 1, so s is still a bound. */
-    if (y <= -SF_CU_KMAX) return {m, -SF_CU_KMAX, s};
-    const double k = ceil(y);
-    return {m, (int32_t)k, s * exp2(y - k) * (1.0 + 0x1p-40)};
-}
-
 struct sf_cu_pick_maxb {
     __device__ sf_cu_maxb operator()(sf_cu_maxb a, sf_cu_maxb b) const {
         const int32_t k = max(a.k, b.k);
+        /* _rn: no contraction into an fma, whose operand order would differ
+         * between the two lanes of a butterfly. */
         return {SF_FADD(fmaxf(a.m, b.m), 0.0f), k,
-                a.s * sf_cu_pow2(a.k - k) + b.s * sf_cu_pow2(b.k - k)};
+                __dadd_rn(__dmul_rn(a.s, sf_cu_pow2(a.k - k)), __dmul_rn(b.s, sf_cu_pow2(b.k - k)))};
     }
     static __device__ sf_cu_maxb id() { return {-INFINITY, -SF_CU_KMAX, 0.0}; }
 };
@@ -528,16 +546,15 @@ __device__ void sf_cu_pass_max_bound(const sf_cu_span &sp, float c, float *mx, i
                                      double *bound) {
     const sf_cu_maxr lm = sf_cu_local_max<DT>(sp);
     sf_cu_row r = {};
-    r.max = lm.m;
     r.c = c;
-    sf_cu_maxb v = sf_cu_maxb_of(lm.m, lm.bad, sf_cu_local_bound<DT, false>(r, sp), c);
+    sf_cu_maxb v = {lm.m, lm.bad ? SF_CU_KBAD : sf_cu_bound_k(lm.m, c), 0.0};
+    if (v.k == SF_CU_KMAX) v.s = INFINITY;
+    else if (v.k != SF_CU_KBAD) v.s = sf_cu_local_bound<DT, false>(r, sp, (float)v.k);
     const sf_cu_pick_maxb op = {};
     v = sf_cu_cluster_all(sf_cu_block_all(v, op), sp.csize, op);
     *mx = v.m;
     *bad = v.k == SF_CU_KBAD || v.m == INFINITY;
-    /* k - max c lies in [0, 1) unless a part gave no bound or the row is masked. */
-    const double e = (double)v.k - (double)v.m * (double)c;
-    *bound = e >= 0.0 && e < 1.0 && v.s < INFINITY ? v.s * exp2(e) * (1.0 + 0x1p-40) : INFINITY;
+    *bound = sf_cu_bound_at_max(v.s, v.k, v.m, c);
 }
 
 /* Radix select: the smallest rank key K of a candidate such that the
@@ -1052,18 +1069,18 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
         const void *row = (const char *)a.logits + (size_t)((row0 + cur + 1) * a.row_stride) * esize;
         const void *mine = (const char *)row + (size_t)lo * esize;
         sf_cu_span sp = {mine, row, lo, hi, n, sf_cu_aligned(mine), a.csize};
+        /* The next row if the first child is accepted: into L2 while this
+         * one is staged and worked on (wasted where it is rejected). */
+        if (threadIdx.x == 0 && first[cur + 1] >= 0)
+            sf_cu_prefetch_l2((const char *)a.logits +
+                                  ((size_t)((row0 + first[cur + 1] + 1) * a.row_stride) + lo) * esize,
+                              (hi - lo) * (int64_t)esize);
         if (stage) {
             __syncthreads(); /* the last row's tokens are no longer read */
             sf_cu_stage<DT>(stage, mine, hi - lo, sp.al);
             sp.src = stage;
             sp.al = true;
         }
-        /* The next row if the first child is accepted: into L2 while this
-         * one is worked on (wasted where it is rejected). */
-        if (threadIdx.x == 0 && first[cur + 1] >= 0)
-            sf_cu_prefetch_l2((const char *)a.logits +
-                                  ((size_t)((row0 + first[cur + 1] + 1) * a.row_stride) + lo) * esize,
-                              (hi - lo) * (int64_t)esize);
         const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth); /* wraps, as on the CPU */
         int32_t accepted = -1, emit = -1;
         if (p.temperature == 0.0f || a.method == SF_COUPLED) {

@@ -172,3 +172,20 @@ int sf_emu_max_bound(int dtype, const void *logits, int64_t rows, int64_t n, uns
         return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_BF16>, logits, n, slice, c, mx, bad, bound);
     return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_F16>, logits, n, slice, c, mx, bad, bound);
 }
+
+/* The least and the largest sf_cu_exp2_up(y) / 2^y over every float y in
+ * [-126, 0] (-0 included); and whether -inf and NaN count as -126. */
+extern "C" __attribute__((visibility("default")))
+int sf_emu_exp2_up_range(double *lo, double *hi) {
+    double a = INFINITY, b = 0.0;
+    for (uint32_t u = 0x80000000u; u <= sf_f2u(-126.0f); u++) {
+        const float y = sf_u2f(u);
+        const double r = (double)sf_cu_exp2_up(y) / exp2((double)y);
+        a = r < a ? r : a;
+        b = r > b ? r : b;
+    }
+    *lo = a;
+    *hi = b;
+    const float low = sf_cu_exp2_up(-126.0f);
+    return sf_cu_exp2_up(-INFINITY) == low && sf_cu_exp2_up(NAN) == low;
+}
