@@ -96,6 +96,7 @@ struct sf_cu_rows_args {
 #define SF_CU_CLUSTER 8
 static_assert(SF_CU_CLUSTER <= 8, "sf_cu_cluster_all combines a cluster in 8 lanes");
 #define SF_CU_STAGE_MAX (96 * 1024)
+#define SF_CU_PRE 32 /* nodes per request whose acceptance inputs are read up front */
 #ifndef SF_CU_MIN_BLOCKS /* resident blocks per SM the registers must allow */
 #define SF_CU_MIN_BLOCKS 3
 #endif
@@ -377,13 +378,14 @@ struct sf_cu_add_wsum {
 };
 
 /* One tile of the weights pass for this thread's tokens [i0, i0 + 8): their
- * weights, summed, into the tile's sum; the residual into `store`; q checked
- * as sf_weights_out checks it. */
+ * weights, summed, into the tile's sum (returning 0), or returned where tile
+ * is NULL; the residual into `store`; q checked as sf_weights_out checks it. */
 template <int DT, bool FULL>
-__device__ __forceinline__ void sf_cu_weights_tile(const sf_cu_row &r, const sf_cu_span &sp,
-                                                   const sf_cu_in &in, bool cut,
-                                                   bool weighted_only, int64_t i0, float *store,
-                                                   uint64_t *tile, int *qbad, uint64_t *qm) {
+__device__ __forceinline__ uint64_t sf_cu_weights_tile(const sf_cu_row &r, const sf_cu_span &sp,
+                                                       const sf_cu_in &in, bool cut,
+                                                       bool weighted_only, int64_t i0,
+                                                       float *store, uint64_t *tile, int *qbad,
+                                                       uint64_t *qm) {
     const int64_t n = sp.hi;
     float rr[8], bb[8], qv[8];
     bool rq;
@@ -410,12 +412,15 @@ __device__ __forceinline__ void sf_cu_weights_tile(const sf_cu_row &r, const sf_
     } else if (store) {
         for (int j = 0; j < 8 && i0 + j < n; j++) store[i0 + j] = rr[j];
     }
+    if (!tile) return s;
     s = sf_cu_warp_sum(s);
     if ((threadIdx.x & 31) == 0 && s) atomicAdd((unsigned long long *)tile, (unsigned long long)s);
+    return 0;
 }
 
-/* Weights pass: per-tile sums of the block's span into tiles[], the residual
- * into `store` (indexed by token id) when not NULL; returns the row's total.
+/* Weights pass: per-tile sums of the block's span into tiles[] (none where
+ * it is NULL: a mass no draw reads), the residual into `store` (indexed by
+ * token id) when not NULL; returns the row's total.
  * q_bad / q_mass as sf_weights_out's. The tiles wholly inside the span run
  * without bounds checks when every source is aligned. */
 template <int DT>
@@ -426,25 +431,29 @@ __device__ uint64_t sf_cu_pass_weights(const sf_cu_row &r, const sf_cu_span &sp,
     /* dist.c: under the row's cut, from the row or a stored base alike, only
      * the q of tokens with a weight are checked (and not q's sum). */
     const bool weighted_only = sf_cu_cut_active(r);
-    for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) tiles[t] = 0;
-    __syncthreads();
+    if (tiles) {
+        for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) tiles[t] = 0;
+        __syncthreads();
+    }
     int qbad = 0;
-    uint64_t qm = 0;
+    uint64_t qm = 0, part = 0;
     const bool fast = (in.base ? sf_cu_aligned(in.base) : sp.al) &&
                       (!in.q || sf_cu_aligned(in.q)) && (!store || sf_cu_aligned(store));
     const int nfull = fast ? (int)((sp.hi - sp.lo) / SF_CU_TILE) : 0;
     const int64_t i0 = sp.lo + threadIdx.x * 8;
     for (int t = 0; t < nfull; t++)
-        sf_cu_weights_tile<DT, true>(r, sp, in, cut, weighted_only, i0 + (int64_t)t * SF_CU_TILE,
-                                     store, &tiles[t], &qbad, &qm);
+        part += sf_cu_weights_tile<DT, true>(r, sp, in, cut, weighted_only,
+                                             i0 + (int64_t)t * SF_CU_TILE, store,
+                                             tiles ? &tiles[t] : NULL, &qbad, &qm);
     for (int t = nfull; t < ntiles; t++)
-        sf_cu_weights_tile<DT, false>(r, sp, in, cut, weighted_only, i0 + (int64_t)t * SF_CU_TILE,
-                                      store, &tiles[t], &qbad, &qm);
+        part += sf_cu_weights_tile<DT, false>(r, sp, in, cut, weighted_only,
+                                              i0 + (int64_t)t * SF_CU_TILE, store,
+                                              tiles ? &tiles[t] : NULL, &qbad, &qm);
     sf_cu_wsum v;
-    v.q_bad = __syncthreads_or(qbad);
+    v.q_bad = __syncthreads_or(qbad); /* also: every tile's sum is in */
     v.q_mass = sf_cu_block_sum(qm);
-    uint64_t part = 0;
-    for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
+    if (tiles)
+        for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
     v.total = sf_cu_block_sum(part);
     v = sf_cu_cluster_all(v, sp.csize, sf_cu_add_wsum());
     if (q_bad) *q_bad = v.q_bad;
@@ -777,16 +786,18 @@ struct sf_cu_over {
     uint64_t *w;
 };
 
-/* A token's weight under d, overrides first (dist.c's weight); one thread. */
+/* A token's weight under d, overrides first (dist.c's weight); one thread.
+ * l, when not NULL, holds the token's logit, read earlier. */
 template <int DT>
 __device__ uint64_t sf_cu_weight_at(const sf_cu_dist &d, const sf_cu_over &ov,
-                                    const void *row, int64_t v) {
+                                    const void *row, int64_t v, const float *l = NULL) {
     for (int i = d.n_over - 1; i >= 0; i--)
         if (ov.id[i] == v) return ov.w[i];
     /* Another block of the cluster may have written base[v]: read it from L2
      * (__ldcg), where the cluster barrier made it visible, not from this
      * SM's L1. */
-    float b = d.base ? __ldcg(d.base + v) : sf_cu_row_base(d.r, sf_cu_load1<DT>(row, v), v);
+    float b = d.base ? __ldcg(d.base + v)
+                     : sf_cu_row_base(d.r, l ? *l : sf_cu_load1<DT>(row, v), v);
     return sf_cu_fixed(sf_cu_resid(b, d.scale, d.q ? d.q[v] : 0.0f));
 }
 
@@ -981,7 +992,8 @@ __device__ float sf_cu_draft_prob(const sf_cu_verify_args &a, int64_t node, int3
     return 1.0f;
 }
 
-/* The exact mass of d's row (fresh from sf_cu_prepare) into d.total and tiles. */
+/* The exact mass of d's row (fresh from sf_cu_prepare) into d.total, and
+ * into tiles unless they are NULL. */
 template <int DT>
 __device__ void sf_cu_set_mass(sf_cu_dist &d, const sf_cu_span &sp, uint64_t *tiles, int ntiles) {
     const sf_cu_row r = d.r;
@@ -1000,6 +1012,10 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
     __shared__ int s_flag, s_try;
     __shared__ double s_uq;
     __shared__ uint64_t s_w;
+    /* The first SF_CU_PRE nodes' acceptance inputs, found at once. */
+    __shared__ int32_t s_depth[SF_CU_PRE];
+    __shared__ float s_qx[SF_CU_PRE], s_lx[SF_CU_PRE];
+    __shared__ double s_u[SF_CU_PRE];
     /* Request b, block `rank` of its cluster: tokens [lo, hi) of each row.
      * Every block walks the same tree and takes the same decisions (thread 0
      * of each, same arithmetic); rank 0 writes the results. */
@@ -1052,7 +1068,10 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
             int32_t parent = a.parents ? a.parents[node0 + i] : i - 1;
             next[i] = first[parent + 1];
             first[parent + 1] = i;
+            if (i < SF_CU_PRE) s_depth[i] = parent; /* a parent comes before its children */
         }
+        for (int32_t i = 0; i < min(nd, SF_CU_PRE); i++)
+            s_depth[i] = s_depth[i] < 0 ? 0 : s_depth[s_depth[i]] + 1;
     }
     __syncthreads();
     const int64_t k_over = a.kind == SF_DRAFT_SPARSE ? a.sparse_k : 1;
@@ -1062,6 +1081,25 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
     float *resid2 = a.resid ? a.resid + b * 2 * n : NULL;
     const int64_t row0 = node0 + b;
     const size_t esize = DT == SF_F32 ? 4 : 2;
+    const bool tests = a.method != SF_COUPLED && p.temperature != 0.0f;
+    /* What the acceptance test of node i reads (its draft probability, its
+     * uniform, its logit in its parent's row): for the first SF_CU_PRE nodes,
+     * read and drawn here by a thread each, so the loads are in flight
+     * together instead of one after another on thread 0, row by row. */
+    if (tests) {
+        for (int32_t i = threadIdx.x; i < min(nd, SF_CU_PRE); i += SF_CU_THREADS) {
+            const int32_t parent = a.parents ? a.parents[node0 + i] : i - 1;
+            uint32_t j = 0; /* its place among its siblings */
+            for (int32_t s = first[parent + 1]; s != i; s = next[s]) j++;
+            const uint64_t pos = (uint64_t)p.position + (uint64_t)s_depth[i];
+            s_qx[i] = sf_cu_draft_prob(a, node0 + i, tok[i]);
+            s_u[i] = sf_uniform_open0(sf_philox(p.seed, (int64_t)pos, SF_PURPOSE_ACCEPT, j));
+            s_lx[i] = sf_cu_load1<DT>((const char *)a.logits +
+                                          (size_t)((row0 + parent + 1) * a.row_stride) * esize,
+                                      tok[i]);
+        }
+        __syncthreads();
+    }
 
     int32_t cur = -1, depth = 0;
     int st = SF_OK;
@@ -1109,10 +1147,12 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                 const int64_t node = node0 + ch;
                 const int32_t x = tok[ch];
                 if (threadIdx.x == 0) {
-                    const float qx = sf_cu_draft_prob(a, node, x);
+                    const bool pre = ch < SF_CU_PRE;
+                    const float qx = pre ? s_qx[ch] : sf_cu_draft_prob(a, node, x);
                     const bool ok = qx >= 0.0f && qx <= 1.001f;
-                    const double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
-                    const uint64_t w = sf_cu_weight_at<DT>(d, ov, row, x);
+                    const double u = pre ? s_u[ch]
+                                         : sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
+                    const uint64_t w = sf_cu_weight_at<DT>(d, ov, row, x, pre ? &s_lx[ch] : NULL);
                     s_flag = ok ? 0 : -1;
                     s_uq = u * (double)qx;
                     s_w = w;
@@ -1135,7 +1175,8 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                 if (a.kind == SF_DRAFT_DENSE && threadIdx.x == 0)
                     sf_cu_prefetch_l2(a.dense + node * n + lo, (hi - lo) * 4);
                 if (!have_mass) {
-                    sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
+                    /* A dense rejection sums tiles of its own: none here. */
+                    sf_cu_set_mass<DT>(d, sp, a.kind == SF_DRAFT_DENSE ? NULL : tiles, ntiles);
                     have_mass = true;
                 }
                 if (uq > 0.0 && uq < (double)w / (double)d.total) { accepted = ch; break; }
