@@ -99,6 +99,22 @@ __global__ void k_read_exited_block(int *out) {
     out[threadIdx.x] = *cl.map_shared_rank(&s, 1);
 }
 
+/* A launch of `blocks` blocks in clusters of `cluster`; attr holds the
+ * cluster's size for as long as the launch configuration is used. */
+static cudaLaunchConfig_t config(unsigned blocks, unsigned threads, unsigned cluster, size_t shm,
+                                 cudaLaunchAttribute *attr) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = shm;
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = cluster;
+    attr->val.clusterDim.y = attr->val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cfg;
+}
+
 extern "C" __attribute__((visibility("default")))
 int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigned cluster,
                     size_t shm, int *out, char *message, size_t message_size) {
@@ -110,16 +126,8 @@ int sf_emu_selftest(const char *name, unsigned blocks, unsigned threads, unsigne
     };
     for (auto &k : table) {
         if (strcmp(k.name, name)) continue;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(threads);
-        cfg.dynamicSmemBytes = shm;
         cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = cluster;
-        attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
+        const cudaLaunchConfig_t cfg = config(blocks, threads, cluster, shm, &attr);
         const cudaError_t e = cudaLaunchKernelEx(&cfg, k.kernel, out);
         snprintf(message, message_size, "%s", cudaGetErrorString(e));
         return (int)e;
@@ -156,15 +164,8 @@ __global__ void k_max_bound(const void *logits, int64_t n, int64_t slice, float 
 extern "C" __attribute__((visibility("default")))
 int sf_emu_max_bound(int dtype, const void *logits, int64_t rows, int64_t n, unsigned cluster,
                      float c, float *mx, int *bad, double *bound) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)rows * cluster);
-    cfg.blockDim = dim3(SF_CU_THREADS);
     cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = cluster;
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    const cudaLaunchConfig_t cfg = config((unsigned)rows * cluster, SF_CU_THREADS, cluster, 0, &attr);
     const int64_t slice = ((n + SF_CU_TILE - 1) / SF_CU_TILE + cluster - 1) / cluster * SF_CU_TILE;
     if (dtype == SF_F32)
         return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_F32>, logits, n, slice, c, mx, bad, bound);
