@@ -108,8 +108,8 @@ __device__ __forceinline__ void sf_cu_prefetch_l2(const void *p, int64_t bytes) 
     (void)*(const volatile char *)a;
     (void)*(const volatile char *)(e - 1);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global((const void *)a)),
-                 "r"((uint32_t)(e - a))
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                 ::"l"(__cvta_generic_to_global((const void *)a)), "r"((uint32_t)(e - a))
                  : "memory");
 #endif
 }

@@ -544,8 +544,9 @@ struct sf_cu_pick_maxb {
         const int32_t k = max(a.k, b.k);
         /* _rn: no contraction into an fma, whose operand order would differ
          * between the two lanes of a butterfly. */
-        return {SF_FADD(fmaxf(a.m, b.m), 0.0f), k,
-                __dadd_rn(__dmul_rn(a.s, sf_cu_pow2(a.k - k)), __dmul_rn(b.s, sf_cu_pow2(b.k - k)))};
+        const double sa = __dmul_rn(a.s, sf_cu_pow2(a.k - k));
+        const double sb = __dmul_rn(b.s, sf_cu_pow2(b.k - k));
+        return {SF_FADD(fmaxf(a.m, b.m), 0.0f), k, __dadd_rn(sa, sb)};
     }
     static __device__ sf_cu_maxb id() { return {-INFINITY, -SF_CU_KMAX, 0.0}; }
 };
@@ -1150,8 +1151,9 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                     const bool pre = ch < SF_CU_PRE;
                     const float qx = pre ? s_qx[ch] : sf_cu_draft_prob(a, node, x);
                     const bool ok = qx >= 0.0f && qx <= 1.001f;
-                    const double u = pre ? s_u[ch]
-                                         : sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
+                    const double u =
+                        pre ? s_u[ch]
+                            : sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
                     const uint64_t w = sf_cu_weight_at<DT>(d, ov, row, x, pre ? &s_lx[ch] : NULL);
                     s_flag = ok ? 0 : -1;
                     s_uq = u * (double)qx;

@@ -165,7 +165,8 @@ extern "C" __attribute__((visibility("default")))
 int sf_emu_max_bound(int dtype, const void *logits, int64_t rows, int64_t n, unsigned cluster,
                      float c, float *mx, int *bad, double *bound) {
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = config((unsigned)rows * cluster, SF_CU_THREADS, cluster, 0, &attr);
+    const unsigned blocks = (unsigned)rows * cluster;
+    const cudaLaunchConfig_t cfg = config(blocks, SF_CU_THREADS, cluster, 0, &attr);
     const int64_t slice = ((n + SF_CU_TILE - 1) / SF_CU_TILE + cluster - 1) / cluster * SF_CU_TILE;
     if (dtype == SF_F32)
         return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_F32>, logits, n, slice, c, mx, bad, bound);
