@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import specfast as sf
-from reference import BF16, draft_arg, pack, random_request, to_dtype
+from reference import BF16, _f32_normalised, draft_arg, pack, random_request, to_dtype
 
 torch = pytest.importorskip("torch")
 
@@ -138,6 +138,45 @@ def test_verify_large_vocab(vocab, dtype, rng):
             args, kw = batch_case(rng, vocab, dtype, kind, True, batch=6, max_draft=4)
             cpu, gpu = run_both(args, kw, method)
             assert_same(cpu, gpu, f"{method} {kind}")
+
+
+def deep_request(rng, vocab, nd, tree):
+    """nd nodes, walked deep: a chain, or a spine with 0-2 rejected siblings before
+    each node of it, whose rows are peaked at the spine's drafts for 33 rows (so they
+    are accepted) and less so below (where the tests decide)."""
+    req = random_request(rng, vocab, 0, tree=False)  # its parameters
+    parents, spine = [], []
+    while len(parents) < nd:
+        for _ in range(int(rng.integers(0, 3)) if tree else 0):
+            parents.append(spine[-1] if spine else -1)
+        parents.append(spine[-1] if spine else -1)
+        spine.append(len(parents) - 1)
+    parents = np.array(parents, np.int32)
+    nd = len(parents)
+    logits = (rng.standard_normal((nd + 1, vocab)) * 1.5).astype(np.float32)
+    top = logits.argmax(axis=1)
+    logits[np.arange(nd + 1), top] += np.where(np.arange(nd + 1) < 33, 30.0, 3.0).astype(np.float32)
+    tokens = rng.integers(0, vocab, nd).astype(np.int32)
+    tokens[spine] = top[parents[spine] + 1]
+    q = rng.dirichlet(np.full(vocab, 0.5), size=nd)
+    q[np.arange(nd), tokens] += 0.5
+    ids = np.argsort(-q, axis=1, kind="stable")[:, :4].astype(np.int32)  # the token among them
+    vals = np.take_along_axis(q, ids, 1)
+    return dict(req, logits=logits, tokens=tokens, parents=parents, dense=_f32_normalised(q),
+                sparse_ids=ids, sparse_vals=_f32_normalised(vals),
+                temperature=float(rng.choice([0.5, 1.0, 1.3])))
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_deep_requests_match_cpu(kind, tree, rng):
+    """Nodes past the 32 whose acceptance inputs are read when the request starts:
+    theirs are read as their rows are reached."""
+    reqs = [deep_request(rng, 300, int(rng.integers(40, 80)), tree) for _ in range(8)]
+    args, kw = pack(reqs, kind, with_parents=tree)
+    cpu, gpu = run_both(args, kw, "rejection")
+    assert_same(cpu, gpu, "deep")
+    assert np.asarray(cpu.accepted_nodes).max() >= 34  # nodes past the 32 were tested
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -295,12 +334,18 @@ def test_greedy_takes_the_first_max_across_signed_zeros(vocab, dtype, rng):
     x = to_dtype(np.stack(rows), dtype)
     np.testing.assert_array_equal(sf.sample(x, temperature=0.0),
                                   _cuda.sample(to_torch(x), temperature=0.0, check=True).cpu().numpy())
+    # verify's greedy row, its slices on the blocks of a cluster: one request a row
+    none = np.zeros(len(x), np.int32)
+    cpu = sf.verify(x, none[:0], none, temperature=0.0)
+    gpu = _cuda.verify(to_torch(x), to_torch(none[:0]), none, temperature=0.0, check=True)
+    assert_same(cpu, gpu, "greedy verify")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 1e-30, 1e29])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_of_subnormals(dtype, temperature, rng):
-    """Every logit subnormal, of either sign: nothing may flush them to zero."""
+    """Every logit subnormal, of either sign: nothing may flush them to zero (the
+    emulator never does; on a GPU this checks the build's -ftz=false)."""
     width = {"float32": 32, "float16": 16, "bfloat16": 16}[dtype]
     mant = {"float32": 23, "float16": 10, "bfloat16": 7}[dtype]
     ut = np.uint32 if width == 32 else np.uint16
@@ -309,11 +354,20 @@ def test_rows_of_subnormals(dtype, temperature, rng):
     np.testing.assert_array_equal(
         sf.sample(x, temperature=temperature, seed=3),
         _cuda.sample(to_torch(x), temperature=temperature, seed=3, check=True).cpu().numpy())
+    # and verify's fused max and bound: row r + 1 drafted from row r, dense q
+    q = np.full((5, 4099), 1 / 4099, np.float32)
+    kw = dict(temperature=temperature, seed=3)
+    cpu = sf.verify(x, np.arange(5, dtype=np.int32), [5], draft_probs=q, **kw)
+    gpu = _cuda.verify(to_torch(x), to_torch(np.arange(5, dtype=np.int32)), [5],
+                       draft_probs=to_torch(q), check=True, **kw)
+    assert_same(cpu, gpu, "subnormal verify")
 
 
 @pytest.mark.parametrize("offset", [1, 3, 4])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16bit_rows_that_start_off_16_bytes(dtype, offset, rng):
+    """Rows whose start is not 16-byte aligned take the unvectorised loads: same
+    draws (a 16-byte load there would be caught by the hardening stage's sanitizers)."""
     x = (rng.standard_normal((9, 2100)) * 2).astype(np.float32)
     x[::2, 0] = 9.0
     x[1, 2099] = 9.0

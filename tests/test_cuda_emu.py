@@ -144,7 +144,8 @@ def _rows_of(dtype, x):
     if dtype == "float32":
         return x, x.astype(np.float64)
     if dtype == "float16":
-        h = x.astype(np.float16)
+        with np.errstate(over="ignore"):  # beyond float16: +-inf, as such a row holds
+            h = x.astype(np.float16)
         return h, h.astype(np.float64)
     b = x.view(np.uint32)
     u = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)  # to nearest, even
@@ -171,9 +172,12 @@ def test_the_bound_verify_accepts_on_is_a_tight_upper_bound_of_the_mass(dtype, n
     masked = np.where(rng.random(n) < 0.9, -np.inf, rng.normal(0, 3, n))
     masked[rng.integers(n)] = 2.0
     rows.append(masked)
+    far = rng.normal(0, 3, n) - 3e7  # threads whose own max * c is below -2^24 (f16: -inf)
+    far[rng.integers(n)] = 1.0
+    rows.append(far)
     x = np.stack(rows).astype(np.float32)
     data, exact = _rows_of(dtype, x)
-    for t in [1.0, 0.7, 0.05, 4.0]:
+    for t in [1.0, 0.7, 0.05, 4.0, 5000.0]:
         c = np.float32(np.float32(1 / t) * np.float32(np.log2(np.e)))
         mx, bad, bound = run.max_bound(data, dtype, cluster, float(c))
         np.testing.assert_array_equal(mx, exact.max(axis=1).astype(np.float32))
@@ -190,13 +194,15 @@ def test_the_bound_where_none_is_worth_giving_or_the_row_is_bad(dtype):
         pytest.skip("arithmetic: one thread order is enough")
     n = 5000
     rng = np.random.default_rng(3)
-    nan, inf, huge, masked = (rng.normal(0, 3, n) for _ in range(4))
+    nan, inf, huge, masked, low = (rng.normal(0, 3, n) for _ in range(5))
     nan[4321] = np.nan
     inf[17] = np.inf
-    huge[99] = 1e30  # max * c far past 2^29: no bound, so the mass is summed
+    huge[99] = 1e30  # max * c far past 2^24: no bound, so the mass is summed
     masked[:] = -np.inf
-    data, exact = _rows_of(dtype, np.stack([nan, inf, huge, masked]).astype(np.float32))
+    low -= 2e7  # max * c far below -2^24: none either
+    data, exact = _rows_of(dtype, np.stack([nan, inf, huge, masked, low]).astype(np.float32))
     mx, bad, bound = run.max_bound(data, dtype, 3, 1.4426950)
-    assert bad.tolist() == [1, 1, 0, 0]
+    assert bad.tolist() == [1, 1, 0, 0, 0]
     assert mx[2] == exact[2].max() and bound[2] == np.inf
-    assert mx[3] == -np.inf
+    assert mx[3] == -np.inf and bound[3] == np.inf
+    assert mx[4] == exact[4].max() and bound[4] == np.inf

@@ -96,18 +96,18 @@ __device__ __forceinline__ void sf_cu_load8(const void *row, int64_t i0, int64_t
 /* A hint: global memory [p, p + bytes) into L2 while the block goes on
  * (cp.async.bulk.prefetch of sm_90, which no intrinsic of CUDA 13.0 names),
  * its whole 16-byte blocks (the instruction takes no other); older GPUs skip
- * it. The emulator (tests/cuda_emu, no nvcc) reads the two ends instead, so
- * that its AddressSanitizer sees a range that leaves the buffer. One thread
- * issues it. */
+ * it. The emulator (tests/cuda_emu, no nvcc) reads the range's two ends
+ * instead, so that its AddressSanitizer sees a range that leaves the buffer.
+ * One thread issues it. */
 __device__ __forceinline__ void sf_cu_prefetch_l2(const void *p, int64_t bytes) {
     if (bytes <= 0) return;
+#if !defined(__NVCC__)
+    (void)*(const volatile char *)p;
+    (void)((const volatile char *)p)[bytes - 1];
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const uintptr_t a = ((uintptr_t)p + 15) & ~(uintptr_t)15;
     const uintptr_t e = ((uintptr_t)p + (uintptr_t)bytes) & ~(uintptr_t)15;
     if (e <= a || e - a > UINT32_MAX) return;
-#if !defined(__NVCC__)
-    (void)*(const volatile char *)a;
-    (void)*(const volatile char *)(e - 1);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
                  ::"l"(__cvta_generic_to_global((const void *)a)), "r"((uint32_t)(e - a))
                  : "memory");

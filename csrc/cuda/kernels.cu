@@ -507,17 +507,19 @@ __device__ __forceinline__ int32_t sf_cu_bound_k(float m, float c) {
 }
 
 /* The bound under the row's max m from s, a bound of the sum of 2^(x c - k):
- * k - m c lies in [0, 1) unless no bound was worth giving or the row is
- * masked, where it is +inf (the caller then sums the mass). */
+ * k - m c lies in [0, 1] (1 where m c is a positive hair above 0: its
+ * difference rounds) unless no bound was worth giving or the row is masked,
+ * where it is +inf (the caller then sums the mass). */
 __device__ __forceinline__ double sf_cu_bound_at_max(double s, int32_t k, float m, float c) {
     const double e = (double)k - (double)m * (double)c;
-    return e >= 0.0 && e < 1.0 && k < SF_CU_KMAX ? s * exp2(e) * (1.0 + 0x1p-40) : INFINITY;
+    return e >= 0.0 && e <= 1.0 && k < SF_CU_KMAX ? s * exp2(e) * (1.0 + 0x1p-40) : INFINITY;
 }
 
 /* The bound of a row with a cut (d.r, its max found). */
 template <int DT>
 __device__ double sf_cu_pass_bound(const sf_cu_row &r, const sf_cu_span &sp) {
     const int32_t k = sf_cu_bound_k(r.max, r.c);
+    if (k == SF_CU_KMAX || k == -SF_CU_KMAX) return INFINITY; /* the same in every block */
     const double total = r.cut_logit > -INFINITY ? sf_cu_local_bound<DT, true>(r, sp, (float)k)
                                                  : sf_cu_local_bound<DT, false>(r, sp, (float)k);
     const double s = sf_cu_cluster_all(sf_cu_block_dsum(total), sp.csize, sf_cu_dadd());
