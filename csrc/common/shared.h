@@ -154,15 +154,6 @@ SF_HD float sf_exp2(float y) {
     return y < SF_EXP2_MIN ? 0.0f : e;
 }
 
-/* An upper bound of 2^y: 2^floor(y) (1 + frac(y)), the chord of a convex
- * function (at most 6% above it), read off the bits of y 2^23 + 127 2^23
- * (truncating toward zero only raises it); y below -126 (or -inf) counts as
- * -126. */
-SF_HD float sf_exp2_up(float y) {
-    y = y > -126.0f ? y : -126.0f;
-    return sf_u2f((uint32_t)((int32_t)SF_FMUL(y, 8388608.0f) + 0x3F800000));
-}
-
 /* Natural log of a positive normal x: exponent split, then the series of
  * log((1+s)/(1-s)) = 2 atanh(s). */
 SF_HD float sf_log(float x) {

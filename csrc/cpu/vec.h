@@ -188,8 +188,11 @@ SF_INLINE vf vexp2_up_scaled(vf y23) {
     return (vf)(__builtin_convertvector(y23, vi) + 0x3F800000);
 }
 
-/* sf_exp2_up (an upper bound of 2^y), lane by lane: scaling by 2^23 is exact,
- * so clamping before or after it gives the same bits. */
+/* An upper bound of 2^y, lane by lane: 2^floor(y) (1 + frac(y)), the chord
+ * of a convex function (at most 6.2% above it), read off the bits of
+ * y 2^23 + 127 2^23 (truncating toward zero only raises it); y below -126
+ * counts as -126. Scaling by 2^23 is exact, so clamping before or after it
+ * gives the same bits. */
 SF_INLINE vf vexp2_up(vf y) { return vexp2_up_scaled(y * 8388608.0f); }
 
 /* hi and lo words of a * k, lane by lane: the even and the odd lanes seen as

@@ -153,11 +153,11 @@ __device__ __forceinline__ float sf_cu_row_base(const sf_cu_row &r, float l, int
     return (sf_cu_above_cut(r, l, v) && e >= r.min_e) ? e : 0.0f;
 }
 
-/* An upper bound of 2^y for y <= 0: shared.h's sf_exp2_up, the chord read
- * off the bits of (y + 127) 2^23, without its float-to-int conversion (a
- * slow pipe on the GPU). 384 + y (in [258, 384] once y is clamped at -126)
- * holds y to the nearest 2^-15 in its low bits; half a step more puts the
- * chord's point at or above y: sf_exp2_up at most 2^-15 above y. */
+/* An upper bound of 2^y for y <= 0: the CPU's chord (vec.h's vexp2_up),
+ * read off the bits of (y + 127) 2^23, without its float-to-int conversion
+ * (a slow pipe on the GPU). 384 + y (in [258, 384] once y is clamped at
+ * -126) holds y to the nearest 2^-15 in its low bits; half a step more puts
+ * the chord's point at or above y: the chord at most 2^-15 above y. */
 __device__ __forceinline__ float sf_cu_exp2_up(float y) {
     y = y > -126.0f ? y : -126.0f;
     const uint32_t t = sf_f2u(SF_FADD(y, 384.0f));
