@@ -1084,6 +1084,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
     float *resid2 = a.resid ? a.resid + b * 2 * n : NULL;
     const int64_t row0 = node0 + b;
     const size_t esize = DT == SF_F32 ? 4 : 2;
+    /* Acceptance tests (rejection sampling), or one draw a row to compare. */
     const bool tests = a.method != SF_COUPLED && p.temperature != 0.0f;
     /* What the acceptance test of node i reads (its draft probability, its
      * uniform, its logit in its parent's row): for the first SF_CU_PRE nodes,
@@ -1124,7 +1125,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
         }
         const int64_t pos = (int64_t)((uint64_t)p.position + (uint64_t)depth); /* wraps, as on the CPU */
         int32_t accepted = -1, emit = -1;
-        if (p.temperature == 0.0f || a.method == SF_COUPLED) {
+        if (!tests) {
             if (p.temperature == 0.0f) {
                 float m;
                 int bad_row;
