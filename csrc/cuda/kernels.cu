@@ -1404,6 +1404,12 @@ static int sf_cu_cluster_size(int64_t vocab) {
     return (int)(t < most ? t : most);
 }
 
+/* Tokens per block of a cluster of csize sharing a row: whole tiles. */
+static int64_t sf_cu_slice(int64_t vocab, int csize) {
+    const int64_t tiles = (vocab + SF_CU_TILE - 1) / SF_CU_TILE;
+    return (tiles + csize - 1) / csize * SF_CU_TILE;
+}
+
 /* Workspace layout: over_w (csize n k_over uint64), over_id (csize n k_over
  * int32), resid (batch 2 vocab float, dense trees with rejection only). */
 static void sf_cu_layout(const sf_logits *l, const sf_draft *d, sf_method method,
@@ -1493,8 +1499,7 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     a.resid = rb ? (float *)(ws + wb + ib) : NULL;
 
     a.csize = sf_cu_cluster_size(logits->vocab);
-    const int64_t tiles = (logits->vocab + SF_CU_TILE - 1) / SF_CU_TILE;
-    a.slice = (tiles + a.csize - 1) / a.csize * SF_CU_TILE;
+    a.slice = sf_cu_slice(logits->vocab, a.csize);
     const size_t stage = (size_t)a.slice * (logits->dtype == SF_F32 ? 4 : 2);
     const char *env = getenv("SPECFAST_CUDA_STAGE"); /* 0: never stage (for tuning) */
     a.cache = stage <= SF_CU_STAGE_MAX && !(env && env[0] == '0');

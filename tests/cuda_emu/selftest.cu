@@ -3,7 +3,7 @@
  * models (tests/test_cuda_emu.py): shuffles, per-block shared memory,
  * __syncthreads_or, cluster reductions through distributed shared memory,
  * and the faults it must report rather than hide or hang on; that the
- * kernels' integer fixed point equals the CPU's on every float; and the bound
+ * kernels' fixed point equals the CPU's on every float; and the bound
  * of a row's mass that the kernels accept on without summing it.
  */
 #include <cooperative_groups.h>
@@ -167,7 +167,7 @@ int sf_emu_max_bound(int dtype, const void *logits, int64_t rows, int64_t n, uns
     cudaLaunchAttribute attr;
     const unsigned blocks = (unsigned)rows * cluster;
     const cudaLaunchConfig_t cfg = config(blocks, SF_CU_THREADS, cluster, 0, &attr);
-    const int64_t slice = ((n + SF_CU_TILE - 1) / SF_CU_TILE + cluster - 1) / cluster * SF_CU_TILE;
+    const int64_t slice = sf_cu_slice(n, (int)cluster);
     if (dtype == SF_F32)
         return (int)cudaLaunchKernelEx(&cfg, k_max_bound<SF_F32>, logits, n, slice, c, mx, bad, bound);
     if (dtype == SF_BF16)
