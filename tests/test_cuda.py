@@ -363,6 +363,40 @@ def test_rows_of_subnormals(dtype, temperature, rng):
     assert_same(cpu, gpu, "subnormal verify")
 
 
+@pytest.mark.parametrize("filters", [{}, dict(top_p=0.9), dict(min_p=0.05)],
+                         ids=["none", "top_p", "min_p"])
+def test_bf16_rows_of_every_value(filters, rng):
+    """Long bf16 rows read each token's e from a table of the row where it holds the
+    token's exponent, and compute it elsewhere: rows of bf16 values drawn from every
+    bit pattern at or below the row's max, for maxima from tiny to huge and of either
+    sign, at temperatures from 1e-30 to 1e29, give the CPU's probabilities exactly
+    and its draws."""
+    every = np.arange(1 << 16, dtype=np.uint16).view(BF16).astype(np.float32)
+    every = every[~np.isnan(every) & (every != np.inf)]
+    maxima = [0.0, 1e-30, 0.5, 3.0, 30.0, 3e4, 1e38, -2.0, -1e-20, -1e38]
+    temps = [1.0, 0.05, 30.0, 1e-30, 1e29]
+    vocab = 20000
+    rows = []
+    for m in maxima:
+        m = float(np.float32(m).astype(BF16))
+        below = every[every <= m]
+        row = rng.choice(below, vocab)
+        row[rng.integers(vocab)] = m
+        rows += [row] * len(temps)
+    x = to_dtype(np.array(rows, np.float32), "bfloat16")
+    t = np.array(temps * len(maxima), np.float32)
+    kw = {k: np.full(len(t), v, np.float32) for k, v in filters.items()}
+    np.testing.assert_array_equal(
+        sf.probs(x, temperature=t, **kw),
+        _cuda.probs(to_torch(x), temperature=to_torch(t), check=True,
+                    **{k: to_torch(v) for k, v in kw.items()}).cpu().numpy())
+    seeds = np.arange(len(t), dtype=np.uint64)
+    np.testing.assert_array_equal(
+        sf.sample(x, temperature=t, seed=seeds, **kw),
+        _cuda.sample(to_torch(x), temperature=to_torch(t), seed=to_torch(seeds), check=True,
+                     **{k: to_torch(v) for k, v in kw.items()}).cpu().numpy())
+
+
 @pytest.mark.parametrize("offset", [1, 3, 4])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16bit_rows_that_start_off_16_bytes(dtype, offset, rng):

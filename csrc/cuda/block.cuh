@@ -133,10 +133,13 @@ __device__ __forceinline__ bool sf_cu_aligned(const void *p) {
 
 /* ---- per-token arithmetic (csrc/cpu/rowmath.h) ---- */
 
-/* What the kernels know of a row once its filters are found (sf_row). */
+/* What the kernels know of a row once its filters are found (sf_row), and
+ * where its e table is (bf16 rows; see sf_cu_etab_e). */
 struct sf_cu_row {
     float max, inv_t, c, cut_logit, min_e;
     int32_t cut_id;
+    int32_t etab;     /* float offset of the table in sf_cu_dynamic; 0: none */
+    uint32_t etab_lo; /* bits of the table's first magnitude */
 };
 
 /* At or above the cut, and not -inf (the CPU's vector above_cut). */
@@ -151,6 +154,48 @@ __device__ __forceinline__ float sf_cu_row_e(const sf_cu_row &r, float l) {
 __device__ __forceinline__ float sf_cu_row_base(const sf_cu_row &r, float l, int64_t v) {
     float e = sf_cu_row_e(r, l);
     return (sf_cu_above_cut(r, l, v) && e >= r.min_e) ? e : 0.0f;
+}
+
+/* ---- bf16 rows: e from a table ----
+ * A bf16 logit takes one of 2^16 values, so a row's e = 2^((l - max) c) can be
+ * read from a table of the row instead of computed (19 instructions a token).
+ * The table holds e for every bf16 of SF_CU_ETAB_FIELDS exponent fields, each
+ * sign, filled by sf_cu_row_e itself: a lookup is the computation, bit for
+ * bit. Its fields end at the larger of |max| and |max - 131 / c|, below which
+ * every e is 0 (sf_cu_etab_place), so a token past them weighs 0 (the entry
+ * after each sign's fields); only tokens nearer 0 than the first field are
+ * computed. */
+#define SF_CU_ETAB_FIELDS 16
+#define SF_CU_ETAB_SIDE (SF_CU_ETAB_FIELDS * 128 + 1) /* entries per sign */
+#define SF_CU_ETAB_BYTES ((2 * SF_CU_ETAB_SIDE * 4 + 15) & ~15)
+
+/* e of the bf16 logit x from the row's table; `near` is set where x is nearer
+ * 0 than the table (its e is then to be computed). */
+__device__ __forceinline__ float sf_cu_etab_e(const sf_cu_row &r, float x, bool *near) {
+    const uint32_t u = sf_f2u(x), mag = u & 0x7FFFFFFFu;
+    /* Past the table (or, wrapped, before it): the 0 entry. */
+    const uint32_t d = min(mag - r.etab_lo, (uint32_t)(SF_CU_ETAB_SIDE - 1) << 16);
+    *near |= mag < r.etab_lo;
+    const float *t = (const float *)sf_cu_dynamic + r.etab;
+    return t[(d >> 16) + ((int32_t)u < 0 ? SF_CU_ETAB_SIDE : 0)];
+}
+
+/* sf_cu_row_e of eight logits (from a table where the row has one). */
+template <int DT>
+__device__ __forceinline__ void sf_cu_row_e8(const sf_cu_row &r, const float *x, float *e) {
+    if (DT != SF_BF16 || !r.etab) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) e[j] = sf_cu_row_e(r, x[j]);
+        return;
+    }
+    bool near = false;
+#pragma unroll
+    for (int j = 0; j < 8; j++) e[j] = sf_cu_etab_e(r, x[j], &near);
+    if (near) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if ((sf_f2u(x[j]) & 0x7FFFFFFFu) < r.etab_lo) e[j] = sf_cu_row_e(r, x[j]);
+    }
 }
 
 /* An upper bound of 2^y for y <= 0: the CPU's chord (vec.h's vexp2_up),

@@ -53,6 +53,7 @@ struct sf_cu_dist {
     uint64_t total;
     int n_over;
     int resid_next;
+    int32_t etab_at; /* float offset of the block's e table in sf_cu_dynamic; 0: none */
 };
 
 struct sf_cu_verify_args {
@@ -79,6 +80,7 @@ struct sf_cu_verify_args {
     int csize;         /* blocks per request (the cluster) */
     int64_t slice;     /* tokens per block, a multiple of SF_CU_TILE */
     int cache;         /* stage each slice in shared memory */
+    int32_t etab;      /* float offset of the e table in dynamic shared memory; 0: none */
 };
 
 struct sf_cu_rows_args {
@@ -89,6 +91,7 @@ struct sf_cu_rows_args {
     int32_t *tokens;
     float *probs;
     int32_t *status;
+    int32_t etab; /* as sf_cu_verify_args' */
 };
 
 /* Blocks per request in sf_verify (a cluster; 8 is the portable maximum),
@@ -206,14 +209,12 @@ __device__ __forceinline__ void sf_cu_weights8(const sf_cu_row &r, const sf_cu_s
             }
             any |= __shfl_xor_sync(SF_FULL_MASK, any, 1);
             rq = any != 0;
+            float e[8];
+            sf_cu_row_e8<DT>(r, x, e);
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                float e = sf_cu_row_e(r, x[j]);
-                b[j] = (keep[j] && e >= r.min_e) ? e : 0.0f;
-            }
+            for (int j = 0; j < 8; j++) b[j] = (keep[j] && e[j] >= r.min_e) ? e[j] : 0.0f;
         } else {
-#pragma unroll
-            for (int j = 0; j < 8; j++) b[j] = sf_cu_row_e(r, x[j]);
+            sf_cu_row_e8<DT>(r, x, b);
         }
     } else if (FULL) {
         /* Written earlier in this kernel (by this block): plain loads, not __ldg. */
@@ -715,6 +716,8 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_pa
         d.r.cut_logit = -INFINITY;
         d.r.cut_id = INT32_MAX;
         d.r.min_e = select ? 0.0f : p.min_p; /* the cuts are found without it */
+        d.r.etab = 0;
+        d.r.etab_lo = 0;
         d.base = NULL;
         d.scale = 1.0f;
         d.q = NULL;
@@ -878,6 +881,41 @@ __device__ int32_t sf_cu_draw(const sf_cu_dist &d, const sf_cu_over &ov, const s
     return key == UINT64_MAX ? -1 : (int32_t)key;
 }
 
+/* Where the e table of a bf16 row starts (sf_cu_etab_e): the field whose
+ * SF_CU_ETAB_FIELDS - 1 next end at that of the larger of |max| and
+ * |max - 131 / c|. A negative logit of a later field is below max - 130 / c
+ * (the margins cover the roundings in double), so its (l - max) c rounds
+ * below -125 and its e is 0; no logit of the row is above max. */
+__device__ __forceinline__ uint32_t sf_cu_etab_place(float max, float c) {
+    const double m = (double)max;
+    const double a = fmax(fabs(m), fabs(m - 131.0 / (double)c)) * (1.0 + 1e-6);
+    const uint32_t top = sf_f2u(a < 3.0e38 ? (float)a : 3.0e38f) >> 23;
+    return (top >= SF_CU_ETAB_FIELDS ? top - (SF_CU_ETAB_FIELDS - 1) : 0) << 23;
+}
+
+/* d's row with its e table, filled here (all threads) on its first exact
+ * pass: bf16 rows of blocks that have room for one. */
+template <int DT>
+__device__ sf_cu_row sf_cu_with_etab(sf_cu_dist &d) {
+    if (DT == SF_BF16 && d.etab_at && !d.r.etab) {
+        const sf_cu_row r = d.r;
+        const uint32_t lo = sf_cu_etab_place(r.max, r.c);
+        float *t = (float *)sf_cu_dynamic + d.etab_at;
+        for (int i = threadIdx.x; i < 2 * SF_CU_ETAB_SIDE; i += SF_CU_THREADS) {
+            const int neg = i >= SF_CU_ETAB_SIDE, k = i - neg * SF_CU_ETAB_SIDE;
+            const uint16_t h = (uint16_t)((uint32_t)neg << 15 | ((lo >> 16) + (uint32_t)k));
+            t[i] = k == SF_CU_ETAB_SIDE - 1 ? 0.0f : sf_cu_row_e(r, sf_bf16_to_f32(h));
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            d.r.etab = d.etab_at;
+            d.r.etab_lo = lo;
+        }
+        __syncthreads();
+    }
+    return d.r;
+}
+
 /* ---- verify ---- */
 
 template <int DT>
@@ -889,7 +927,7 @@ __device__ int sf_cu_reject_dense(sf_cu_dist &d, const sf_cu_span &sp, const flo
     float *out = more ? resid2 + (int64_t)d.resid_next * n : NULL;
     int q_bad;
     uint64_t q_mass;
-    const sf_cu_row r = d.r;
+    const sf_cu_row r = sf_cu_with_etab<DT>(d);
     uint64_t total = sf_cu_pass_weights<DT>(r, sp, in, out, tiles, ntiles, &q_bad, &q_mass);
     /* q must sum to 1 within 1e-3 where the pass read it whole (dist.c). */
     const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
@@ -999,7 +1037,7 @@ __device__ float sf_cu_draft_prob(const sf_cu_verify_args &a, int64_t node, int3
  * into tiles unless they are NULL. */
 template <int DT>
 __device__ void sf_cu_set_mass(sf_cu_dist &d, const sf_cu_span &sp, uint64_t *tiles, int ntiles) {
-    const sf_cu_row r = d.r;
+    const sf_cu_row r = sf_cu_with_etab<DT>(d);
     const sf_cu_in in0 = {NULL, 1.0f, NULL};
     const uint64_t total = sf_cu_pass_weights<DT>(r, sp, in0, NULL, tiles, ntiles, NULL, NULL);
     if (threadIdx.x == 0) d.total = total;
@@ -1066,6 +1104,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
 
     const int32_t *tok = a.tokens + node0;
     if (threadIdx.x == 0) {
+        d.etab_at = a.etab;
         for (int32_t i = 0; i <= nd; i++) first[i] = -1;
         for (int32_t i = nd - 1; i >= 0; i--) {
             int32_t parent = a.parents ? a.parents[node0 + i] : i - 1;
@@ -1247,6 +1286,7 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
     float *out = a.probs ? a.probs + b * n : NULL;
     sf_cu_params_row p = sf_cu_get_params(a.params, b);
     int32_t err = 0, tok = -1;
+    if (threadIdx.x == 0) d.etab_at = a.etab; /* read after sf_cu_prepare's barriers */
     if (!sf_cu_params_ok(p)) {
         err = SF_STATUS(SF_ERR_PARAM, SF_PHASE_PARAMS);
     } else if (p.temperature == 0.0f) {
@@ -1268,6 +1308,7 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
                 sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
                 if (out) {
                     /* sample.c's probs_one: each kept token's e, then its exact weight. */
+                    const sf_cu_row rt = d.r; /* with its e table, if it has one */
                     const sf_cu_in in0 = {NULL, 1.0f, NULL};
                     const double inv = 1.0 / (double)d.total;
                     const bool cut = sf_cu_cut_active(r);
@@ -1275,7 +1316,7 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
                         const int64_t i0 = (int64_t)t * SF_CU_TILE + threadIdx.x * 8;
                         float rr[8];
                         bool rq;
-                        sf_cu_weights8<DT>(r, sp, in0, cut, i0, rr, &rq);
+                        sf_cu_weights8<DT>(rt, sp, in0, cut, i0, rr, &rq);
                         for (int j = 0; j < 8 && i0 + j < n; j++)
                             out[i0 + j] = (float)((double)sf_cu_fixed(rr[j]) * inv);
                     }
@@ -1392,6 +1433,25 @@ static size_t sf_cu_tiles_bytes(int64_t vocab) {
 
 static size_t sf_cu_align16(size_t x) { return (x + 15) & ~(size_t)15; }
 
+/* Room for an e table (sf_cu_etab_e) after a block's `shm` bytes of dynamic
+ * shared memory: for bf16 rows of which the block reads enough tokens to pay
+ * for filling it (twice its entries), where it leaves an SM as many blocks.
+ * Returns its float offset there, 0 for none. SPECFAST_CUDA_ETAB=0: never
+ * (for tuning). */
+static int32_t sf_cu_etab_room(const void *kernel, int dtype, int64_t tokens, size_t shm) {
+    const char *env = getenv("SPECFAST_CUDA_ETAB");
+    if (dtype != SF_BF16 || tokens < 4 * SF_CU_ETAB_SIDE || (env && env[0] == '0')) return 0;
+    int without = 0, with = 0;
+    if (sf_cu_allow_shm(kernel, shm + SF_CU_ETAB_BYTES) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&without, kernel, SF_CU_THREADS, shm) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&with, kernel, SF_CU_THREADS,
+                                                      shm + SF_CU_ETAB_BYTES) != cudaSuccess ||
+        with < without)
+        return 0;
+    return (int32_t)(shm / 4);
+}
+
 /* Blocks per request: one per tile up to SF_CU_CLUSTER, so a row is read by
  * many SMs at once (a lone request too) and each slice is small enough to
  * stage in shared memory. SPECFAST_CUDA_CLUSTER=1..8 lowers the limit (for
@@ -1503,12 +1563,15 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     const size_t stage = (size_t)a.slice * (logits->dtype == SF_F32 ? 4 : 2);
     const char *env = getenv("SPECFAST_CUDA_STAGE"); /* 0: never stage (for tuning) */
     a.cache = stage <= SF_CU_STAGE_MAX && !(env && env[0] == '0');
-    /* The layout the kernel assumes: an even number of tile sums, then the stage. */
+    /* The layout the kernel assumes: an even number of tile sums, then the
+     * stage, then the e table. */
     const size_t shm = (size_t)((a.slice / SF_CU_TILE + 1) & ~1) * 8 + (a.cache ? stage : 0);
     void (*kernel)(sf_cu_verify_args) =
         logits->dtype == SF_F32 ? sf_cu_verify_kernel<SF_F32>
         : logits->dtype == SF_F16 ? sf_cu_verify_kernel<SF_F16> : sf_cu_verify_kernel<SF_BF16>;
-    return sf_cu_launch(kernel, a, draft->batch * a.csize, shm, a.csize, stream);
+    a.etab = sf_cu_etab_room((const void *)kernel, logits->dtype, a.slice, shm);
+    return sf_cu_launch(kernel, a, draft->batch * a.csize, shm + (a.etab ? SF_CU_ETAB_BYTES : 0),
+                        a.csize, stream);
 }
 
 static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *params,
@@ -1532,11 +1595,13 @@ static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *param
     a.tokens = tokens;
     a.probs = probs;
     a.status = status;
-    const size_t shm = sf_cu_tiles_bytes(logits->vocab);
+    const size_t shm = sf_cu_tiles_bytes(logits->vocab); /* then the e table */
     void (*kernel)(sf_cu_rows_args) =
         logits->dtype == SF_F32 ? sf_cu_rows_kernel<SF_F32>
         : logits->dtype == SF_F16 ? sf_cu_rows_kernel<SF_F16> : sf_cu_rows_kernel<SF_BF16>;
-    return sf_cu_launch(kernel, a, logits->rows, shm, 1, stream);
+    a.etab = sf_cu_etab_room((const void *)kernel, logits->dtype, logits->vocab, shm);
+    return sf_cu_launch(kernel, a, logits->rows, shm + (a.etab ? SF_CU_ETAB_BYTES : 0), 1,
+                        stream);
 }
 
 SF_API sf_status sf_cuda_sample(const sf_logits *logits, const sf_cuda_params *params,

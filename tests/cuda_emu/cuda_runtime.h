@@ -795,6 +795,14 @@ inline cudaError_t cudaFuncSetAttribute(const void *kernel, cudaFuncAttribute at
     return cudaSuccess;
 }
 
+/* Occupancy is not modelled: one block, whatever the shared memory (up to
+ * what a block may have), so the kernels take every option the GPU may. */
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *,
+                                                                 int, size_t shm) {
+    *blocks = shm <= SF_EMU_SHARED_MAX;
+    return cudaSuccess;
+}
+
 template <class... P, class... A>
 inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t *cfg, void (*kernel)(P...),
                                       A &&...args) {
