@@ -116,21 +116,25 @@ def main():
         print(json.dumps(row), flush=True)
     sweep = []
     if args.sweep:
-        # The bar case under other cluster sizes and without staging (tuning).
+        # The bar case under other cluster sizes, without staging and without
+        # the bf16 e table (tuning).
         logits, tokens, nd, q = make_case(256, K, V, torch.bfloat16, 0.9, gen)
         amax = timeit(lambda: torch.amax(logits, dim=-1), args.iters)[0]
+        knobs = ("SPECFAST_CUDA_CLUSTER", "SPECFAST_CUDA_STAGE", "SPECFAST_CUDA_ETAB")
         for cluster in ("1", "2", "4", "8"):
             for stage in ("1", "0"):
-                os.environ["SPECFAST_CUDA_CLUSTER"] = cluster
-                os.environ["SPECFAST_CUDA_STAGE"] = stage
-                t = timeit(lambda: _cuda.verify(logits, tokens, nd, draft_probs=q, seed=7,
-                                                position=100, max_draft=K, check=False),
-                           args.iters)[0]
-                row = dict(cluster=int(cluster), stage=int(stage), us=t, x_amax=t / amax)
-                sweep.append(row)
-                print(json.dumps(row), flush=True)
-        os.environ.pop("SPECFAST_CUDA_CLUSTER")
-        os.environ.pop("SPECFAST_CUDA_STAGE")
+                for etab in ("1", "0"):
+                    for k, v in zip(knobs, (cluster, stage, etab)):
+                        os.environ[k] = v
+                    t = timeit(lambda: _cuda.verify(logits, tokens, nd, draft_probs=q, seed=7,
+                                                    position=100, max_draft=K, check=False),
+                               args.iters)[0]
+                    row = dict(cluster=int(cluster), stage=int(stage), etab=int(etab), us=t,
+                               x_amax=t / amax)
+                    sweep.append(row)
+                    print(json.dumps(row), flush=True)
+        for k in knobs:
+            os.environ.pop(k)
     with open(os.path.join(args.out, "bench_gpu.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), results=results, sweep=sweep), f,
                   indent=1)
