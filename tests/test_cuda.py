@@ -469,9 +469,9 @@ def _outcome(fn):
 
 @pytest.mark.parametrize("case", ["outside-cut", "outside-cut-tree", "sum-off", "min-p"])
 def test_dense_draft_probs_checked_as_on_cpu(case):
-    """Which q values are checked: under a cut only those of tokens with a weight (a
-    negative q elsewhere is not an error), and q's sum only without a cut; the same
-    outcome, error or tokens, on both backends."""
+    """Which q values are checked where a residual is formed whole: under a cut only
+    those of tokens with a weight (a negative q elsewhere is not an error), and q's sum
+    only without a cut; the same outcome, error or tokens, on both backends."""
     vocab = 64
     logits = np.zeros((3, vocab), np.float32)
     logits[:, 16:19] = [5.0, 4.0, 3.0]  # the top 3, in the 16-token group of token 20
@@ -488,7 +488,8 @@ def test_dense_draft_probs_checked_as_on_cpu(case):
     elif case == "sum-off":
         q *= 0.9
         kw = dict(seed=5, position=11)
-        logits[0, 40] = -np.inf  # rejected for sure: q read whole
+        logits[0, 40] = -np.inf  # rejected for sure
+        parents = np.array([-1, -1], np.int32)  # with a later sibling: q read whole
     else:
         kw = dict(min_p=0.5, seed=5, position=11)  # keeps token 16 only
         q[:, 18] -= 0.02  # above no cut of top-k or top-p, weight 0 by min-p
@@ -499,6 +500,29 @@ def test_dense_draft_probs_checked_as_on_cpu(case):
         parents=None if parents is None else to_torch(parents), check=True, **kw))
     assert gpu == cpu
     assert (cpu == ("error",)) == (case == "sum-off")
+
+
+def test_residual_tries_decide_in_order_as_on_cpu():
+    """The CUDA kernel draws a residual's 16 tries at once, the CPU one after another; the
+    first try that keeps its token or meets a bad q decides on both. With q bad (-0.01)
+    at a third of the tokens, each seed ends in an error or a token: the same on both,
+    and both outcomes occur."""
+    vocab = 96
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((2, vocab)).astype(np.float32)
+    logits[0, 5] = -np.inf  # the draft (token 5) has p = 0: rejected, its residual drawn
+    q = np.full((1, vocab), 1.0 / vocab, np.float32)
+    q[0, 1::3] = -0.01
+    tokens, nd = np.array([5], np.int32), np.array([1], np.int32)
+    outcomes = []
+    for seed in range(24):
+        kw = dict(seed=seed, position=3)
+        cpu = _outcome(lambda: sf.verify(logits, tokens, nd, draft_probs=q, **kw))
+        gpu = _outcome(lambda: _cuda.verify(to_torch(logits), to_torch(tokens), nd,
+                                            draft_probs=to_torch(q), check=True, **kw))
+        assert gpu == cpu, f"seed {seed}"
+        outcomes.append(cpu == ("error",))
+    assert any(outcomes) and not all(outcomes)
 
 
 def _error(fn):

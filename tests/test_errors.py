@@ -166,11 +166,12 @@ def test_bad_logits_in_a_row_reached_by_acceptance(value):
 
 def test_malformed_draft_probs_of_a_node_reached_by_acceptance():
     """Node 1 of request 0 is tried after node 0 is accepted for sure, and is rejected for
-    sure (its token is banned in row 1): its whole q row is read."""
+    sure (its token is banned in row 1): its residual's first try reads q at a token of
+    row 1, where q is bad at every token but node 1's own."""
     kw = forced_first_accept()
     kw["target_logits"][1, 2] = -np.inf  # node 1 drafts token 2
-    kw["draft_probs"][1, 5] = -0.5
-    kw["draft_probs"][1, 6] += 0.5
+    kw["draft_probs"][1] = -0.5
+    kw["draft_probs"][1, 2] = 0.5
     raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
 
 
@@ -322,7 +323,7 @@ def _nan(q):
 
 
 def _inf(q):
-    q[2, 0] = np.inf
+    q[0, 5] = np.inf
 
 
 def _sum(q):
@@ -330,7 +331,7 @@ def _sum(q):
 
 
 def _sum2(q):
-    q[2] *= 1.01
+    q[0] *= 1.01
 
 
 BAD_DENSE = {"negative": _neg, "nan": _nan, "inf": _inf, "sum=0.9": _sum, "sum=1.01": _sum2}
@@ -338,31 +339,63 @@ BAD_DENSE = {"negative": _neg, "nan": _nan, "inf": _inf, "sum=0.9": _sum, "sum=1
 
 @pytest.mark.parametrize("case", list(BAD_DENSE))
 def test_malformed_dense_draft_probs(case):
-    """The bad row belongs to node 0 of a request whose draft has target probability 0:
-    the draft is rejected for sure and the residual max(0, p - q) reads the whole row."""
+    """The bad row is node 0's, whose draft has target probability 0 and is rejected for
+    sure; node 1, its later sibling, is tried against the residual max(0, p - q), which is
+    therefore formed whole, reading every q of the row."""
     kw = base_verify()
+    kw["parents"] = np.array([-1, -1, -1], np.int32)
     kw["target_logits"][0, 1] = -np.inf  # request 0, node 0 drafts token 1
-    kw["target_logits"][4, 3] = -np.inf  # request 2, node 0 drafts token 3
-    before = kw["draft_probs"].copy()
     BAD_DENSE[case](kw["draft_probs"])
-    node = int(np.nonzero(np.any(kw["draft_probs"] != before, axis=1))[0][0])
-    request = [0, 0, 2][node]  # nodes 0-1 are request 0's, node 2 request 2's
-    raises(lambda: sf.verify(**kw), rf"malformed draft probabilities \(at index {request}\)")
+    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+
+
+@pytest.mark.parametrize("value", [-0.1, np.nan, np.inf, 1.5],
+                         ids=["negative", "nan", "inf", "above-one"])
+def test_malformed_dense_draft_probs_at_a_token_a_residual_try_draws(value):
+    """The last sibling's residual is drawn by tries from p, each reading q at the token it
+    drew: a row bad at every token but the drafted one (p = 0, never drawn) always fails."""
+    for seed in range(8):
+        kw = base_verify()
+        kw["target_logits"][4, 3] = -np.inf  # request 2, node 2 drafts token 3
+        kw["draft_probs"][2] = value
+        kw["draft_probs"][2, 3] = 1 / V
+        raises(lambda: sf.verify(**kw, seed=seed),
+               r"malformed draft probabilities \(at index 2\)")
+
+
+@pytest.mark.parametrize("scale, bad", [(1.01, True), (1.0005, False)])
+def test_dense_draft_probs_sum_checked_where_no_try_keeps_a_token(scale, bad):
+    """Where q covers p (q >= p at every token, by 0.05% or more) the residual is empty:
+    no try keeps a token, the residual is formed whole and q's sum is checked."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((2, V)).astype(np.float32)
+    logits[0, 1] = -np.inf  # the draft (token 1), q(x) = 0 below: rejected for sure
+    p = np.exp(logits[0].astype(np.float64) - logits[0].max())
+    q = (scale * p / p.sum()).astype(np.float32)[None]
+    for seed in range(8):
+        kw = dict(target_logits=logits, draft_tokens=np.array([1], np.int32),
+                  num_draft=np.array([1], np.int32), draft_probs=q, seed=seed)
+        if bad:
+            raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+        else:
+            assert sf.verify(**kw).tokens[0, 0] not in (-1, 1)
 
 
 @pytest.mark.parametrize("value", [-0.01, np.nan, np.inf], ids=["negative", "nan", "inf"])
 @pytest.mark.parametrize("filt", [dict(top_k=5), dict(top_p=0.5), dict(min_p=0.1)],
                          ids=["top_k", "top_p", "min_p"])
 def test_malformed_dense_draft_probs_at_a_kept_token_under_a_filter(filt, value):
-    """Under a filter the residual reads q only where a token is kept: a bad value
-    there is an error (the most probable token is kept by every filter)."""
+    """Under a filter a residual formed whole (for a later sibling) reads q only where a
+    token is kept: a bad value there is an error (the most probable token is kept by
+    every filter)."""
     rng = np.random.default_rng(11)
-    logits = rng.standard_normal((2, 64)).astype(np.float32)
-    logits[0, 1] = -np.inf  # the draft (token 1) has p = 0: rejected, the residual formed
-    q = np.full((1, 64), 1 / 64, np.float32)
+    logits = rng.standard_normal((3, 64)).astype(np.float32)
+    logits[0, 1] = -np.inf  # node 0's draft (token 1) has p = 0: rejected, the residual formed
+    q = np.full((2, 64), 1 / 64, np.float32)
     q[0, int(np.argmax(logits[0]))] = value
-    kw = dict(target_logits=logits, draft_tokens=np.array([1], np.int32),
-              num_draft=np.array([1], np.int32), draft_probs=q, **filt)
+    kw = dict(target_logits=logits, draft_tokens=np.array([1, 2], np.int32),
+              num_draft=np.array([2], np.int32), parents=np.array([-1, -1], np.int32),
+              draft_probs=q, **filt)
     raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
 
 
@@ -390,15 +423,17 @@ def _q_with_mass(vocab, mass):
 def test_dense_draft_probs_sum_at_the_edge_of_the_tolerance(vocab, offset, bad):
     """q may sum to 1 within 1e-3, judged on the exact sum: one 2^-40 past the edge fails."""
     rng = np.random.default_rng(vocab)
-    logits = rng.standard_normal((2, vocab)).astype(np.float32)
-    logits[0, 1] = -np.inf  # the draft (token 1) has p = 0: rejected, q read whole
-    q = _q_with_mass(vocab, MASS_ONE + offset)[None]
-    kw = dict(target_logits=logits, draft_tokens=np.array([1], np.int32),
-              num_draft=np.array([1], np.int32), draft_probs=q)
+    logits = rng.standard_normal((3, vocab)).astype(np.float32)
+    logits[0, 1] = -np.inf  # node 0's draft (token 1) has p = 0: rejected,
+    # and q read whole for node 1, its later sibling
+    q = np.stack([_q_with_mass(vocab, MASS_ONE + offset), np.full(vocab, 1 / vocab, np.float32)])
+    kw = dict(target_logits=logits, draft_tokens=np.array([1, 2], np.int32),
+              num_draft=np.array([2], np.int32), parents=np.array([-1, -1], np.int32),
+              draft_probs=q)
     if bad:
         raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
     else:
-        assert sf.verify(**kw).num_accepted[0] == 0
+        assert sf.verify(**kw).tokens[0, 0] != 1
 
 
 BAD_AT_TOKEN = {"negative": -0.1, "nan": np.nan, "inf": np.inf, "above-one": 1.5}

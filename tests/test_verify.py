@@ -298,6 +298,33 @@ def test_lone_request_at_a_wide_vocabulary_follows_the_residual(filters, rng):
     assert_outcomes(observed, expected, f"lone V={V} {filters}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mass", [0.01, 0.05, 0.4], ids=lambda m: f"residual={m}")
+def test_residual_drawn_by_tries_or_formed_whole_is_exact(mass, dtype, rng):
+    """A last sibling's residual max(0, p - q) is drawn by up to 16 tries from p, each
+    keeping its token y with probability max(0, 1 - q(y) / p(y)), and formed whole when
+    none keeps one. With a residual of mass 0.01 most draws are formed whole (0.99^16),
+    with 0.05 about half, with 0.4 nearly none: each mixture must give the residual
+    exactly. The residual is shaped unlike p (a ramp over the tokens), and the draft's
+    token x has q(x) = p(x) + mass."""
+    V = 8
+    rows = rng.standard_normal((2, V)).astype(np.float32) * 0.5
+    rows[0, 0] = rows[0].min() - 1.0  # x = token 0, p(x) small: most drafts are rejected
+    rows = as_f64(to_dtype(rows, dtype)).astype(np.float32)
+    p = ref_probs(as_f64(rows))
+    ramp = np.arange(V, dtype=np.float64)  # 0 at x
+    shape = p[0] * ramp / (p[0] * ramp).sum()
+    assert mass * shape.max() < p[0].max()  # q >= 0
+    q = p[0] - mass * shape
+    q[0] = p[0, 0] + mass
+    q = q.astype(np.float32)[None]
+    expected = tree_outcomes(p, np.array([-1], np.int32), np.array([0], np.int32),
+                             q.astype(np.float64))
+    args, kw = replicate(rows, [0], [-1], q, B_FIXED, rng, kind="dense", dtype=dtype, chain=True)
+    res = call_verify(args, kw)
+    assert_outcomes(outcome_counts(res), expected, f"residual mass {mass} ({dtype})")
+
+
 @pytest.mark.parametrize("siblings", ["iid", "distinct"])
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_later_siblings_decide_by_their_own_coin(kind, siblings, rng):

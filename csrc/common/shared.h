@@ -31,10 +31,14 @@
 #define SF_FMUL(a, b) __fmul_rn((a), (b))
 #define SF_FADD(a, b) __fadd_rn((a), (b))
 #define SF_FSUB(a, b) __fsub_rn((a), (b))
+#define SF_DMUL(a, b) __dmul_rn((a), (b))
+#define SF_DSUB(a, b) __dsub_rn((a), (b))
 #else
 #define SF_FMUL(a, b) ((a) * (b))
 #define SF_FADD(a, b) ((a) + (b))
 #define SF_FSUB(a, b) ((a) - (b))
+#define SF_DMUL(a, b) ((a) * (b))
+#define SF_DSUB(a, b) ((a) - (b))
 #endif
 
 /* One request's sampling parameters are in range (specfast.h's rules; a NaN
@@ -68,7 +72,8 @@ SF_HD float sf_inv_temperature(float t) {
 enum {
     SF_PURPOSE_ACCEPT = 1, /* index: sibling order at a node */
     SF_PURPOSE_DRAW = 2,   /* index 0: inverse-CDF draw from a row */
-    SF_PURPOSE_NOISE = 3   /* Gumbel noise: see sf_noise_word */
+    SF_PURPOSE_NOISE = 3,  /* Gumbel noise: see sf_noise_word */
+    SF_PURPOSE_RESID = 4   /* index i: try i of a residual draw (sf_resid_keeps) */
 };
 
 SF_HD uint32_t sf_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -128,6 +133,23 @@ SF_HD uint64_t sf_draw_target(sf_u32x4 r, uint64_t total) {
     uint64_t hi = (uint64_t)(p >> 64), lo = (uint64_t)p;
 #endif
     return (hi << 11) | (lo >> 53);
+}
+
+/* A residual max(0, p - q), normalised, is drawn by tries before it is formed
+ * (which reads every q and costs a pass over the row): try i draws y from p
+ * at the target of sf_philox(seed, position, RESID, i) and keeps it with
+ * probability max(0, 1 - q(y) total / w(y)), so that a kept y has
+ * probability proportional to w(y) - q(y) total, that is to p(y) - q(y).
+ * Only when SF_RESID_TRIES tries keep nothing is the residual formed. */
+#define SF_RESID_TRIES 16
+
+/* Whether a try keeps its token y, of weight w > 0 out of `total`, whose q
+ * is q: u w < w - q total, u in (0, 1] from the Philox block's last two
+ * words (its first two drew y). */
+SF_HD int sf_resid_keeps(sf_u32x4 r, uint64_t w, float q, uint64_t total) {
+    const sf_u32x4 hi = {{r.v[2], r.v[3], 0, 0}};
+    const double u = sf_uniform_open0(hi), wd = (double)w;
+    return SF_DMUL(u, wd) < SF_DSUB(wd, SF_DMUL((double)q, (double)total));
 }
 
 /* ---- exp and log ---- */

@@ -366,17 +366,18 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     d->n_over = 0;
     d->resid_next = 0;
     d->total = 0;
-    return need_mass ? sf_dist_mass(d, k, s, (sf_ahead){NULL, 0}) : SF_OK;
+    return need_mass ? sf_dist_mass(d, k, s, (sf_ahead){NULL, 0}, 0) : SF_OK;
 }
 
-sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead ahead) {
+sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead ahead,
+                       int keep_e_for_residuals) {
     sf_row *r = &d->row;
     size_t nb = (size_t)((r->vocab + SF_BLOCK - 1) / SF_BLOCK);
     d->blocks = sf_scratch_get(s, SF_SLOT_BLOCKS, nb * 8);
     if (!d->blocks) return SF_ERR_NO_MEMORY;
-    /* With residual buffers (dense drafts), keep each token's e: the
-     * residual passes then read it instead of recomputing the exp. */
-    float *keep_e = d->resid[0];
+    /* Where residual passes will follow (dense drafts), keep each token's e:
+     * they then read it instead of recomputing the exp. */
+    float *keep_e = keep_e_for_residuals ? d->resid[0] : NULL;
     sf_weights_out o;
     r->next = ahead;
     weights_all(k, r, &d->in, d->blocks, keep_e, &o);
@@ -498,10 +499,9 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
     return SF_OK;
 }
 
-int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,
-                     int64_t position) {
-    uint64_t target = sf_draw_target(
-        sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d->total);
+/* The inverse-CDF draw at `target` (in [0, d->total)): the first token
+ * whose inclusive prefix of weights exceeds it. */
+static int32_t draw_at(const sf_dist *d, const sf_kernels *k, uint64_t target) {
     const int64_t nb = (d->row.vocab + SF_BLOCK - 1) / SF_BLOCK;
     uint64_t cum = 0;
     int64_t b = 0;
@@ -526,4 +526,26 @@ int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,
         if (cum > target) return (int32_t)v;
     }
     return (int32_t)last; /* unreachable: the sums are exact */
+}
+
+int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,
+                     int64_t position) {
+    return draw_at(d, k, sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d->total));
+}
+
+sf_status sf_dist_resid_tries(const sf_dist *d, const sf_kernels *k, const float *q,
+                              uint64_t seed, int64_t position, int32_t *token) {
+    *token = -1;
+    for (uint32_t i = 0; i < SF_RESID_TRIES; i++) {
+        const sf_u32x4 r = sf_philox(seed, position, SF_PURPOSE_RESID, i);
+        const int32_t y = draw_at(d, k, sf_draw_target(r, d->total));
+        if (y < 0) break; /* unreachable: total > 0 */
+        /* y has a weight, so the filters keep it: its q is checked. */
+        if (!(q[y] >= 0.0f && q[y] <= 1.001f)) return SF_ERR_DRAFT_PROBS;
+        if (sf_resid_keeps(r, weight(d, y), q[y], d->total)) {
+            *token = y;
+            break;
+        }
+    }
+    return SF_OK;
 }

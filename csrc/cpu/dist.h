@@ -5,7 +5,8 @@
  * A distribution is a set of integer weights w(v) (sf_weight_at) with their
  * exact total and per-block sums; p(v) = w(v) / total. Rejecting a sibling
  * with a one-hot or sparse q patches a few weights (overrides); rejecting one
- * with a dense q runs a weights pass that forms max(0, p - q).
+ * with a dense q runs a weights pass that forms max(0, p - q), unless it is
+ * the last sibling and a try draws from that residual first.
  */
 #ifndef SF_CPU_DIST_H
 #define SF_CPU_DIST_H
@@ -59,8 +60,11 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
                           float next_until, sf_ref_bound *rb);
 
 /* Forms the weights, total and block sums of a prepared row (what
- * sf_dist_prepare's need_mass does), prefetching `ahead`. */
-sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead ahead);
+ * sf_dist_prepare's need_mass does), prefetching `ahead`. With
+ * keep_e_for_residuals, dense rejections will form residuals from it: each
+ * token's e is kept in d->resid[0] for them. */
+sf_status sf_dist_mass(sf_dist *d, const sf_kernels *k, sf_scratch *s, sf_ahead ahead,
+                       int keep_e_for_residuals);
 
 /* 1 when u q(x) < p(x) holds for sure before (and instead of) forming the
  * row's mass: from its exact total when the top-k candidates gave it, else
@@ -90,6 +94,13 @@ void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
  * says whether later siblings will need it as a base. Validates q. */
 sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
                                int more, sf_ahead ahead);
+
+/* The residual that rejecting the last sibling, drawn from the dense q row,
+ * leaves, drawn by SF_RESID_TRIES tries from d (shared.h's sf_resid_keeps)
+ * before it is formed: *token is the token a try kept, or -1 when none did
+ * (then sf_dist_reject_dense forms it). Each try checks q at its token. */
+sf_status sf_dist_resid_tries(const sf_dist *d, const sf_kernels *k, const float *q,
+                              uint64_t seed, int64_t position, int32_t *token);
 
 /* Inverse-CDF draw of one token with Philox at (seed, position, DRAW). */
 int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,

@@ -145,11 +145,12 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                         break;
                     }
                     /* The bound could not accept, so the draft is most likely
-                     * rejected: what comes next is its q row (dense) or the
+                     * rejected: what comes next is its q row (dense, when
+                     * later siblings need the residual formed whole) or the
                      * next request. */
-                    const sf_ahead q_row = {dr->kind == SF_DRAFT_DENSE ? dr->dense + node * vocab
-                                                                       : NULL, 4};
-                    st = sf_dist_mass(&d, c->k, s, q_row.data ? q_row : upcoming);
+                    const int resid_whole = dr->kind == SF_DRAFT_DENSE && next[ch] >= 0;
+                    const sf_ahead q_row = {resid_whole ? dr->dense + node * vocab : NULL, 4};
+                    st = sf_dist_mass(&d, c->k, s, q_row.data ? q_row : upcoming, resid_whole);
                     if (st != SF_OK) return st;
                     have_mass = 1;
                 }
@@ -158,10 +159,20 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                     break;
                 }
                 if (dr->kind == SF_DRAFT_DENSE) {
-                    const sf_ahead after = next[ch] >= 0
-                        ? (sf_ahead){dr->dense + (node0 + next[ch]) * vocab, 4} : upcoming;
-                    st = sf_dist_reject_dense(&d, c->k, dr->dense + node * vocab,
-                                              next[ch] >= 0, after);
+                    const float *q = dr->dense + node * vocab;
+                    if (next[ch] < 0) {
+                        /* The last sibling: its residual is drawn by tries,
+                         * and formed only when none keeps a token. */
+                        st = sf_dist_resid_tries(&d, c->k, q, p.seed, pos, &emit);
+                        if (st != SF_OK) return st;
+                        if (emit >= 0) break;
+                    }
+                    /* What comes next: the q row of a sibling that forms
+                     * its residual whole, or the next request. */
+                    const int32_t sib = next[ch];
+                    const sf_ahead after = sib >= 0 && next[sib] >= 0
+                        ? (sf_ahead){dr->dense + (node0 + sib) * vocab, 4} : upcoming;
+                    st = sf_dist_reject_dense(&d, c->k, q, sib >= 0, after);
                     if (st != SF_OK) return st;
                 } else if (dr->kind == SF_DRAFT_SPARSE) {
                     sf_dist_reject_sparse(&d, dr->sparse_ids + node * dr->sparse_k,
@@ -172,9 +183,9 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                     sf_dist_reject_sparse(&d, &x, &one, 1);
                 }
             }
-            if (accepted < 0) {
+            if (accepted < 0 && emit < 0) {
                 if (!have_mass) { /* a leaf: the bonus token */
-                    st = sf_dist_mass(&d, c->k, s, upcoming);
+                    st = sf_dist_mass(&d, c->k, s, upcoming, 0);
                     if (st != SF_OK) return st;
                 }
                 emit = sf_dist_draw(&d, c->k, p.seed, pos);

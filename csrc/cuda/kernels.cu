@@ -20,6 +20,9 @@
  * - the inverse-CDF draw: the tile holding the target, then a block scan of
  *   the threads' 8-token sums, then the token inside: the first token whose
  *   inclusive prefix exceeds the target, as sf_dist_draw finds it;
+ * - the residual of a rejected last sibling with a dense q: up to
+ *   SF_RESID_TRIES such draws from p (shared.h), formed whole only when none
+ *   keeps its token;
  * - Gumbel-max: argmax of (l - max) * inv_t + G, lowest id on ties.
  * Decisions that are serial on the CPU (acceptance tests, sparse residual
  * patches) run on thread 0 with the same double arithmetic.
@@ -807,21 +810,21 @@ __device__ uint64_t sf_cu_weight_at(const sf_cu_dist &d, const sf_cu_over &ov,
     return sf_cu_fixed(sf_cu_resid(b, d.scale, d.q ? d.q[v] : 0.0f));
 }
 
-/* The draw inside tile `tile` of the block's span, whose tiles before it
- * (and the blocks before this one) weigh cum; all threads of the block. */
+/* The draws of targets[k] (k < n) that lie in tile `tile` of the block's
+ * span (in[k] == tile), whose tiles before it (and the blocks before this
+ * one) weigh cum: into tok[k]. All threads of the block. */
 template <int DT>
-__device__ int32_t sf_cu_draw_tile(const sf_cu_dist &d, const sf_cu_over &ov,
-                                   const sf_cu_span &sp, int tile, uint64_t cum,
-                                   uint64_t target, int32_t *s_tok) {
-    const int64_t n = sp.hi;
+__device__ void sf_cu_draw_tile(const sf_cu_dist &d, const sf_cu_over &ov, const sf_cu_span &sp,
+                                int tile, uint64_t cum, const uint64_t *targets,
+                                const int32_t *in, int32_t *tok, int n) {
     const int64_t i0 = sp.lo + (int64_t)tile * SF_CU_TILE + threadIdx.x * 8;
-    sf_cu_in in = {d.base, d.scale, d.q};
+    sf_cu_in src = {d.base, d.scale, d.q};
     float rr[8];
     bool rq;
-    sf_cu_weights8<DT>(d.r, sp, in, sf_cu_cut_active(d.r) && !d.base, i0, rr, &rq);
+    sf_cu_weights8<DT>(d.r, sp, src, sf_cu_cut_active(d.r) && !d.base, i0, rr, &rq);
     uint64_t w[8], s = 0;
 #pragma unroll
-    for (int j = 0; j < 8; j++) w[j] = i0 + j < n ? sf_cu_fixed(rr[j]) : 0;
+    for (int j = 0; j < 8; j++) w[j] = i0 + j < sp.hi ? sf_cu_fixed(rr[j]) : 0;
     for (int i = 0; i < d.n_over; i++) {
         const int64_t id = ov.id[i];
         if (id >= i0 && id < i0 + 8) w[id - i0] = ov.w[i];
@@ -832,53 +835,124 @@ __device__ int32_t sf_cu_draw_tile(const sf_cu_dist &d, const sf_cu_over &ov,
 #pragma unroll
     for (int j = 0; j < 8; j++) if (w[j]) last = (int32_t)(i0 + j);
     const uint64_t ex = cum + sf_cu_block_exscan(s);
-    if (s > 0 && target >= ex && target - ex < s) {
+    for (int k = 0; k < n; k++) {
+        if (in[k] != tile || s == 0 || targets[k] < ex || targets[k] - ex >= s) continue;
         uint64_t c = ex;
         for (int j = 0; j < 8; j++) {
             if (!w[j]) continue;
             c += w[j];
-            if (c > target) { *s_tok = (int32_t)(i0 + j); break; }
+            if (c > targets[k]) { tok[k] = (int32_t)(i0 + j); break; }
         }
     }
-    /* Unreachable fallback (the sums are exact): the last weighted token. */
+    /* Unreachable fallback (the sums are exact): the last weighted token.
+     * The reduction's barriers make the tokens found visible. */
     sf_cu_best lb = {(float)last, last};
     lb = sf_cu_block_best(lb);
-    return *s_tok >= 0 ? *s_tok : lb.id;
+    if (threadIdx.x < n && in[threadIdx.x] == tile && tok[threadIdx.x] < 0)
+        tok[threadIdx.x] = lb.id;
 }
 
-/* Inverse-CDF draw from d (sf_dist_draw): the first token whose inclusive
- * prefix of weights exceeds floor(bits53 * total / 2^53). The block whose
- * span holds the target finds the token; the cluster then shares it. */
+/* Inverse-CDF draws from d at targets[0, n) (shared memory, each in
+ * [0, d.total), n <= SF_CU_DRAWS) into tok[] (shared memory): for each, the
+ * first token whose inclusive prefix of weights exceeds it, as sf_dist_draw
+ * finds it. The block whose span holds a target finds its token, scanning
+ * each tile that holds targets once; the cluster then shares them. All
+ * threads of the cluster. */
+#define SF_CU_DRAWS 32
+template <int DT>
+__device__ void sf_cu_draws(const sf_cu_dist &d, const sf_cu_over &ov, const sf_cu_span &sp,
+                            const uint64_t *tiles, int ntiles, const uint64_t *targets,
+                            int32_t *tok, int n) {
+    __shared__ int32_t s_in[SF_CU_DRAWS]; /* the tile of the span holding each, or -1 */
+    __shared__ uint64_t s_cum[SF_CU_DRAWS];
+    uint64_t part = 0;
+    for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
+    part = sf_cu_block_sum(part); /* also: targets[] is written */
+    const uint64_t before = sf_cu_cluster_before(part, sp.csize);
+    if (threadIdx.x < n) {
+        const uint64_t target = targets[threadIdx.x];
+        int t = -1;
+        uint64_t cum = before;
+        if (target >= before && target - before < part)
+            for (t = 0; t < ntiles - 1 && cum + tiles[t] <= target;) cum += tiles[t++];
+        s_in[threadIdx.x] = t;
+        s_cum[threadIdx.x] = cum;
+        tok[threadIdx.x] = -1;
+    }
+    __syncthreads();
+    for (int k = 0; k < n; k++) {
+        bool first = s_in[k] >= 0; /* the first target of its tile */
+        for (int e = 0; e < k; e++) first = first && s_in[e] != s_in[k];
+        if (first) sf_cu_draw_tile<DT>(d, ov, sp, s_in[k], s_cum[k], targets, s_in, tok, n);
+    }
+    /* Each token was found by one block (-1 in the others). */
+    if (sp.csize > 1) {
+        cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+        cl.sync();
+        int32_t found = -1;
+        if (threadIdx.x < n)
+            for (int b = 0; b < sp.csize; b++)
+                found = max(found, *cl.map_shared_rank(tok + threadIdx.x, b));
+        cl.sync();
+        if (threadIdx.x < n) tok[threadIdx.x] = found;
+    }
+    __syncthreads();
+}
+
+/* The draw from d with Philox at (seed, position, DRAW) (sf_dist_draw). */
 template <int DT>
 __device__ int32_t sf_cu_draw(const sf_cu_dist &d, const sf_cu_over &ov, const sf_cu_span &sp,
                               const uint64_t *tiles, int ntiles, uint64_t seed,
                               int64_t position) {
-    __shared__ int s_tile, s_mine;
-    __shared__ uint64_t s_cum, s_target;
+    __shared__ uint64_t s_target;
     __shared__ int32_t s_tok;
-    uint64_t part = 0;
-    for (int t = threadIdx.x; t < ntiles; t += SF_CU_THREADS) part += tiles[t];
-    part = sf_cu_block_sum(part);
-    const uint64_t before = sf_cu_cluster_before(part, sp.csize);
-    if (threadIdx.x == 0) {
-        uint64_t target = sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d.total);
-        const int mine = target >= before && target - before < part;
-        uint64_t cum = before;
-        int t = 0;
-        if (mine)
-            while (t < ntiles - 1 && cum + tiles[t] <= target) cum += tiles[t++];
-        s_tile = t;
-        s_cum = cum;
-        s_target = target;
-        s_tok = -1;
-        s_mine = mine;
+    if (threadIdx.x == 0)
+        s_target = sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d.total);
+    sf_cu_draws<DT>(d, ov, sp, tiles, ntiles, &s_target, &s_tok, 1);
+    return s_tok;
+}
+
+/* sf_dist_resid_tries: the residual that rejecting the last sibling, drawn
+ * from the dense q, leaves, drawn by SF_RESID_TRIES tries from d (its tiles
+ * summed) before it is formed. The CPU makes them one after another; here
+ * all are drawn at once (a round of barriers, one load of q and of the
+ * weight per try, all in flight together), and the first that keeps its
+ * token or meets a bad q decides, as there. Returns the kept token, or -1
+ * (a bad q sets *st). Every block takes the same decisions. */
+template <int DT>
+__device__ int32_t sf_cu_resid_tries(const sf_cu_dist &d, const sf_cu_over &ov,
+                                     const sf_cu_span &sp, const uint64_t *tiles, int ntiles,
+                                     const float *q, uint64_t seed, int64_t position, int *st) {
+    static_assert(SF_RESID_TRIES <= SF_CU_DRAWS, "one draw per thread of the first warp");
+    __shared__ uint64_t s_target[SF_RESID_TRIES];
+    __shared__ int32_t s_y[SF_RESID_TRIES];
+    __shared__ int s_keep[SF_RESID_TRIES];
+    const int i = threadIdx.x;
+    if (i < SF_RESID_TRIES)
+        s_target[i] = sf_draw_target(sf_philox(seed, position, SF_PURPOSE_RESID, (uint32_t)i),
+                                     d.total);
+    sf_cu_draws<DT>(d, ov, sp, tiles, ntiles, s_target, s_y, SF_RESID_TRIES);
+    if (i < SF_RESID_TRIES) {
+        /* Drawn again rather than kept live across the draws. */
+        const sf_u32x4 r = sf_philox(seed, position, SF_PURPOSE_RESID, (uint32_t)i);
+        /* y has a weight, so the filters keep it: its q is checked. */
+        const int32_t y = s_y[i];
+        const float qy = y >= 0 ? q[y] : 0.0f;
+        s_keep[i] = y < 0 ? 0
+                    : !(qy >= 0.0f && qy <= 1.001f)
+                        ? -1 : sf_resid_keeps(r, sf_cu_weight_at<DT>(d, ov, sp.row, y), qy, d.total);
     }
     __syncthreads();
-    int32_t tok = -1;
-    if (s_mine) tok = sf_cu_draw_tile<DT>(d, ov, sp, s_tile, s_cum, s_target, &s_tok);
-    const uint64_t key = sf_cu_cluster_all(tok >= 0 ? (uint64_t)tok : UINT64_MAX, sp.csize,
-                                           sf_cu_min());
-    return key == UINT64_MAX ? -1 : (int32_t)key;
+    int32_t kept = -1;
+    for (int k = 0; k < SF_RESID_TRIES && s_y[k] >= 0; k++) {
+        if (s_keep[k] < 0) *st = SF_ERR_DRAFT_PROBS;
+        if (s_keep[k]) {
+            kept = s_keep[k] > 0 ? s_y[k] : -1;
+            break;
+        }
+    }
+    __syncthreads(); /* s_y and s_keep are free again */
+    return kept;
 }
 
 /* Where the e table of a bf16 row starts (sf_cu_etab_e): the field whose
@@ -1215,18 +1289,25 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                     const double up = bound * 1.001 * SF_MASS_ONE + 1.0;
                     if (uq * up < (double)w) { accepted = ch; break; }
                 }
-                /* A dense rejection reads the child's q: into L2 under the mass pass. */
-                if (a.kind == SF_DRAFT_DENSE && threadIdx.x == 0)
+                /* A dense rejection with later siblings forms its residual
+                 * whole (the last one's is drawn by tries, reading few q):
+                 * its q row into L2 under the mass pass. */
+                const bool whole = a.kind == SF_DRAFT_DENSE && next[ch] >= 0;
+                if (whole && threadIdx.x == 0)
                     sf_cu_prefetch_l2(a.dense + node * n + lo, (hi - lo) * 4);
                 if (!have_mass) {
-                    /* A dense rejection sums tiles of its own: none here. */
-                    sf_cu_set_mass<DT>(d, sp, a.kind == SF_DRAFT_DENSE ? NULL : tiles, ntiles);
+                    /* A whole residual sums tiles of its own: none here. */
+                    sf_cu_set_mass<DT>(d, sp, whole ? NULL : tiles, ntiles);
                     have_mass = true;
                 }
                 if (uq > 0.0 && uq < (double)w / (double)d.total) { accepted = ch; break; }
                 if (a.kind == SF_DRAFT_DENSE) {
-                    st = sf_cu_reject_dense<DT>(d, sp, a.dense + node * n, resid2, next[ch] >= 0,
-                                                tiles, ntiles);
+                    const float *q = a.dense + node * n;
+                    if (!whole) {
+                        emit = sf_cu_resid_tries<DT>(d, ov, sp, tiles, ntiles, q, p.seed, pos, &st);
+                        if (st != SF_OK || emit >= 0) break;
+                    }
+                    st = sf_cu_reject_dense<DT>(d, sp, q, resid2, whole, tiles, ntiles);
                     if (st != SF_OK) break;
                 } else {
                     __syncthreads(); /* every thread has read d.total above */
@@ -1244,7 +1325,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
             }
             if (st == SF_OK && accepted < 0 && !have_mass) sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
             if (st != SF_OK) break;
-            if (accepted < 0)
+            if (accepted < 0 && emit < 0)
                 emit = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, pos);
         }
         if (accepted < 0) {

@@ -497,11 +497,15 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     (``V / 32`` for block sums; ``8 * V`` with dense draft probabilities; up to
     ``16 * V`` for the cut of ``top_p`` without ``top_k`` or of ``top_k > 4096``)
     plus ``16 * K`` bytes per draft node with :class:`SparseProbs` of width K.
-    In rejection sampling, dense draft probabilities are checked at the drafted
-    token, and where a residual is formed at every token the filters keep (values
-    in [0, 1]); their sum (1 within 1e-3) only where no filter is set, since under
-    ``top_k``, ``top_p`` or ``min_p`` only the kept tokens are read. Greedy and
-    coupled verification do not read draft probabilities.
+    In rejection sampling the residual ``max(0, p - q)`` of a rejected last
+    sibling is drawn by up to 16 tries from p, each reading q at the token it
+    draws; it is formed whole (reading the q row) only where a later sibling is
+    tried against it or no try keeps a token. Dense draft probabilities are
+    checked where they are read (values in [0, 1.001]): at the drafted token, at
+    each try's token, and where a residual is formed whole at every token the
+    filters keep; there their sum (1 within 1e-3) too where no filter is set,
+    since under ``top_k``, ``top_p`` or ``min_p`` only the kept tokens are read.
+    Greedy and coupled verification do not read draft probabilities.
 
     Examples
     --------

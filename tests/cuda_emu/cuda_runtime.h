@@ -748,6 +748,7 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline uint64_t __umul64hi(uint64_t a, uint64_t b) {
     return (uint64_t)(((unsigned __int128)a * b) >> 64);
