@@ -467,11 +467,14 @@ def _outcome(fn):
     return host(r.tokens), host(r.num_accepted)
 
 
-@pytest.mark.parametrize("case", ["outside-cut", "outside-cut-tree", "sum-off", "min-p"])
+@pytest.mark.parametrize("case", ["outside-cut", "outside-cut-tree", "sum-off", "min-p",
+                                  "min-p-no-try-keeps", "underflow-no-try-keeps"])
 def test_dense_draft_probs_checked_as_on_cpu(case):
     """Which q values are checked where a residual is formed whole: under a cut only
     those of tokens with a weight (a negative q elsewhere is not an error), and q's sum
-    only without a cut; the same outcome, error or tokens, on both backends."""
+    only without a cut; the same outcome, error or tokens, on both backends. In the
+    *-no-try-keeps chains q covers p, so no try keeps a token and the last sibling's
+    residual is formed whole too (from the row: its e was not kept)."""
     vocab = 64
     logits = np.zeros((3, vocab), np.float32)
     logits[:, 16:19] = [5.0, 4.0, 3.0]  # the top 3, in the 16-token group of token 20
@@ -490,10 +493,20 @@ def test_dense_draft_probs_checked_as_on_cpu(case):
         kw = dict(seed=5, position=11)
         logits[0, 40] = -np.inf  # rejected for sure
         parents = np.array([-1, -1], np.int32)  # with a later sibling: q read whole
+    elif case == "underflow-no-try-keeps":
+        kw = dict(top_k=vocab - 2, seed=5, position=11)
+        logits[0, 40] = -np.inf  # the draft: rejected for sure
+        logits[0, 31] = -300.0  # the one finite token the cut drops
+        logits[0, 30] = -200.0  # kept by top-k, its e underflows to 0: weight 0
+        p = np.exp(logits[0].astype(np.float64) - logits[0].max())
+        q[0] = 1.01 * p / p.sum()  # covers p: the residual is empty
+        q[0, 30] = -0.01
     else:
         kw = dict(min_p=0.5, seed=5, position=11)  # keeps token 16 only
         q[:, 18] -= 0.02  # above no cut of top-k or top-p, weight 0 by min-p
         q[:, 19] += 0.02
+        if case == "min-p-no-try-keeps":
+            q[:, 16] = 1.0  # covers p (one-hot at 16): the residual is empty
     cpu = _outcome(lambda: sf.verify(logits, tokens, nd, draft_probs=q, parents=parents, **kw))
     gpu = _outcome(lambda: _cuda.verify(
         to_torch(logits), to_torch(tokens), nd, draft_probs=to_torch(q),
@@ -502,24 +515,31 @@ def test_dense_draft_probs_checked_as_on_cpu(case):
     assert (cpu == ("error",)) == (case == "sum-off")
 
 
-def test_residual_tries_decide_in_order_as_on_cpu():
+@pytest.mark.parametrize("vocab", [96, 17000], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_residual_tries_decide_in_order_as_on_cpu(shape, vocab):
     """The CUDA kernel draws a residual's 16 tries at once, the CPU one after another; the
     first try that keeps its token or meets a bad q decides on both. With q bad (-0.01)
     at a third of the tokens, each seed ends in an error or a token: the same on both,
-    and both outcomes occur."""
-    vocab = 96
+    and both outcomes occur. At V=17000 a cluster of blocks shares the vocabulary, so
+    tries land in other blocks' spans; in the tree the tries draw from the residual that
+    rejecting an earlier sibling formed whole."""
     rng = np.random.default_rng(4)
-    logits = rng.standard_normal((2, vocab)).astype(np.float32)
-    logits[0, 5] = -np.inf  # the draft (token 5) has p = 0: rejected, its residual drawn
-    q = np.full((1, vocab), 1.0 / vocab, np.float32)
-    q[0, 1::3] = -0.01
-    tokens, nd = np.array([5], np.int32), np.array([1], np.int32)
+    n = 1 if shape == "chain" else 2
+    logits = rng.standard_normal((n + 1, vocab)).astype(np.float32)
+    logits[0, 5:5 + n] = -np.inf  # the drafts (tokens 5, 6) have p = 0: rejected
+    q = np.full((n, vocab), 1.0 / vocab, np.float32)
+    q[-1, 1::3] = -0.01  # the last sibling's q (node 0's is read whole: it stays good)
+    tokens, nd = np.arange(5, 5 + n, dtype=np.int32), np.array([n], np.int32)
+    parents = np.full(n, -1, np.int32)
     outcomes = []
     for seed in range(24):
         kw = dict(seed=seed, position=3)
-        cpu = _outcome(lambda: sf.verify(logits, tokens, nd, draft_probs=q, **kw))
+        cpu = _outcome(lambda: sf.verify(logits, tokens, nd, draft_probs=q, parents=parents,
+                                         **kw))
         gpu = _outcome(lambda: _cuda.verify(to_torch(logits), to_torch(tokens), nd,
-                                            draft_probs=to_torch(q), check=True, **kw))
+                                            draft_probs=to_torch(q), parents=to_torch(parents),
+                                            check=True, **kw))
         assert gpu == cpu, f"seed {seed}"
         outcomes.append(cpu == ("error",))
     assert any(outcomes) and not all(outcomes)

@@ -217,8 +217,8 @@ weights_chunk(const sf_row *r, const sf_weights_in *in, float *resid, int64_t i,
               weights_acc *a, const int cut, const int from_row, const int with_q,
               const int store, const int full) {
     vf b;
-    /* Which q values are checked: all of them, or under a cut those of kept
-     * tokens only (so the vector width cannot matter). */
+    /* Which q values are checked: all of them, or under a cut those of
+     * tokens with a weight only (so the vector width cannot matter). */
     vi checked = vi_set(-1);
     if (from_row) {
         vf x = full ? load_full(r->data, r->dtype, i) : load_chunk(r->data, r->dtype, i, n);
@@ -233,7 +233,7 @@ weights_chunk(const sf_row *r, const sf_weights_in *in, float *resid, int64_t i,
             }
             vf e = row_e(r, x);
             b = vsel(keep & (e >= r->min_e), e, vf_set(0.0f));
-            checked = keep;
+            checked = b != 0.0f; /* as from stored weights, and on CUDA */
         } else {
             b = row_e(r, x); /* -inf (and padding) give 0 */
         }

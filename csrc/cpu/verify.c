@@ -62,8 +62,12 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
     d.over_id = sf_scratch_get(s, SF_SLOT_OVER_ID, (size_t)(nd * k_over + 1) * 4);
     d.over_w = sf_scratch_get(s, SF_SLOT_OVER_W, (size_t)(nd * k_over + 1) * 8);
     if (!d.over_id || !d.over_w) return SF_ERR_NO_MEMORY;
+    /* Residual buffers: only a rejected sibling with later siblings forms
+     * its residual whole into them (a last one's is drawn by tries). */
+    int siblings = 0;
+    for (int32_t i = 0; i < nd && !siblings; i++) siblings = next[i] >= 0;
     d.resid[0] = d.resid[1] = NULL;
-    if (c->method == SF_REJECTION && dr->kind == SF_DRAFT_DENSE) {
+    if (c->method == SF_REJECTION && dr->kind == SF_DRAFT_DENSE && siblings) {
         float *r = sf_scratch_get(s, SF_SLOT_RESID, (size_t)vocab * 8);
         if (!r) return SF_ERR_NO_MEMORY;
         d.resid[0] = r;

@@ -328,19 +328,16 @@ def bytes_read(impl: str, inp: Inputs, num_accepted) -> int:
     """Bytes an implementation must read from memory (a model, not a counter).
 
     numpy.max and torch read every target row (torch also all of a dense q); specfast reads
-    only the rows each request reaches (num_accepted + 1) and, for a dense q, the q row of
-    the residual at a rejection.
+    only the rows each request reaches (num_accepted + 1). The cases are chains, so a
+    rejection's residual is drawn by tries that read q at a few tokens; the whole q row
+    is read only where 16 tries keep no token, which is not counted.
     """
     c = inp.case
     row = c.vocab * c.itemsize
     if impl != "specfast":
         q = inp.q_dense.nbytes if (impl == "torch" and inp.q_dense is not None) else 0
         return c.rows * row + q
-    n = np.asarray(num_accepted, np.int64)
-    total = int((n + 1).sum()) * row
-    if inp.q_dense is not None:
-        total += int((n < c.draft_len).sum()) * c.vocab * 4
-    return total
+    return int((np.asarray(num_accepted, np.int64) + 1).sum()) * row
 
 
 # ---------------------------------------------------------------------------------------
