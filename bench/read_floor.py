@@ -4,8 +4,9 @@ Times side by side, in one process, on one `specfast bench` case (the first bar'
 default): specfast.verify, the torch peer, numpy.max over the target logits (the bars'
 floor, one thread), and numpy.max over as many bytes as verify must read (bytes_read:
 the rows each request reaches; a rejection's residual reads q at a few tokens) split
-across all cores. torch / that last read bounds torch / verify for any implementation that reads
-those bytes: the README's case for why 30x over torch is out of reach on 2 cores.
+across all cores. torch / that last read bounds torch / verify for any implementation
+that reads those bytes: the README's case for why 30x over torch is out of reach on 2
+cores.
 
     python bench/read_floor.py [--batch 64 --draft-len 4 --vocab 151936 --threads 2]
 """

@@ -49,6 +49,10 @@ SF_HD int sf_params_ok(float temperature, int32_t top_k, float top_p, float min_
            top_p > 0.0f && top_p <= 1.0f && min_p >= 0.0f && min_p <= 1.0f;
 }
 
+/* A draft probability the kernels may use: in [0, 1.001] (the slack is for
+ * rounding; a NaN is not). kernels_impl.h's vector passes test the same. */
+SF_HD int sf_prob_ok(float q) { return q >= 0.0f && q <= 1.001f; }
+
 /* Fixed-point scale of a token's weight: the most probable token weighs 2^40. */
 #define SF_MASS_BITS 40
 #define SF_MASS_ONE 1099511627776.0f /* 2^40 */

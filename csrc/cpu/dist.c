@@ -469,7 +469,7 @@ static int q_sum_off(const float *q, int64_t n, double approx) {
     if (lo >= (double)(one - tol) && hi <= (double)(one + tol)) return 0;
     uint64_t m = 0;
     for (int64_t v = 0; v < n; v++)
-        if (q[v] >= 0.0f && q[v] <= 1.001f) m += (uint64_t)(q[v] * (float)SF_MASS_ONE);
+        if (sf_prob_ok(q[v])) m += (uint64_t)(q[v] * (float)SF_MASS_ONE);
     return m > one + tol || m + tol < one;
 }
 
@@ -541,7 +541,7 @@ sf_status sf_dist_resid_tries(const sf_dist *d, const sf_kernels *k, const float
         const int32_t y = draw_at(d, k, sf_draw_target(r, d->total));
         if (y < 0) break; /* unreachable: total > 0 */
         /* y has a weight, so the filters keep it: its q is checked. */
-        if (!(q[y] >= 0.0f && q[y] <= 1.001f)) return SF_ERR_DRAFT_PROBS;
+        if (!sf_prob_ok(q[y])) return SF_ERR_DRAFT_PROBS;
         if (sf_resid_keeps(r, weight(d, y), q[y], d->total)) {
             *token = y;
             break;

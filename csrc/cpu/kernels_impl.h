@@ -246,7 +246,7 @@ weights_chunk(const sf_row *r, const sf_weights_in *in, float *resid, int64_t i,
     }
     if (with_q) {
         vf q = full ? vload(in->q + i) : load_floats(in->q, i, n);
-        vi ok = (q >= 0.0f) & (q <= 1.001f); /* false for NaN */
+        vi ok = (q >= 0.0f) & (q <= 1.001f); /* shared.h's sf_prob_ok */
         a->qbad |= ~ok & checked;
         /* Under a cut, q of a token that is not kept is not checked: only
          * b > 0 then keeps a negative q from making a residual. */

@@ -136,7 +136,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                 const int64_t node = node0 + ch;
                 const int32_t x = tok[ch];
                 float qx = draft_prob(dr, node, x, vocab);
-                if (!(qx >= 0.0f && qx <= 1.001f)) return SF_ERR_DRAFT_PROBS;
+                if (!sf_prob_ok(qx)) return SF_ERR_DRAFT_PROBS;
                 double u = sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));
                 if (!have_mass) {
                     /* Only the first child comes here: a rejection forms the mass. */
@@ -264,7 +264,7 @@ static sf_status check_draft(const sf_draft *d, const sf_logits *l,
             const float *pr = d->sparse_probs + (n0 + i) * d->sparse_k;
             double sum = 0.0;
             for (int64_t a = 0; a < d->sparse_k; a++) {
-                if (ids[a] < -1 || ids[a] >= l->vocab || !(pr[a] >= 0.0f && pr[a] <= 1.001f) ||
+                if (ids[a] < -1 || ids[a] >= l->vocab || !sf_prob_ok(pr[a]) ||
                     (ids[a] == -1 && pr[a] != 0.0f))
                     return SF_ERR_DRAFT_PROBS;
                 sum += pr[a];

@@ -400,7 +400,7 @@ __device__ __forceinline__ uint64_t sf_cu_weights_tile(const sf_cu_row &r, const
             /* kernels_impl.h: q outside [0, 1.001] (or NaN) is bad; the good
              * values sum exactly as fixed-point masses. Past n q reads 0. */
             if (weighted_only && bb[j] == 0.0f) continue;
-            const bool ok = qv[j] >= 0.0f && qv[j] <= 1.001f;
+            const bool ok = sf_prob_ok(qv[j]);
             *qbad |= !ok;
             *qm += sf_cu_fixed(ok ? qv[j] : 0.0f);
         }
@@ -938,9 +938,12 @@ __device__ int32_t sf_cu_resid_tries(const sf_cu_dist &d, const sf_cu_over &ov,
         /* y has a weight, so the filters keep it: its q is checked. */
         const int32_t y = s_y[i];
         const float qy = y >= 0 ? q[y] : 0.0f;
-        s_keep[i] = y < 0 ? 0
-                    : !(qy >= 0.0f && qy <= 1.001f)
-                        ? -1 : sf_resid_keeps(r, sf_cu_weight_at<DT>(d, ov, sp.row, y), qy, d.total);
+        int keep = 0; /* -1: a bad q */
+        if (y >= 0 && !sf_prob_ok(qy))
+            keep = -1;
+        else if (y >= 0)
+            keep = sf_resid_keeps(r, sf_cu_weight_at<DT>(d, ov, sp.row, y), qy, d.total);
+        s_keep[i] = keep;
     }
     __syncthreads();
     int32_t kept = -1;
@@ -1087,7 +1090,7 @@ __device__ uint64_t sf_cu_check_draft(const sf_cu_verify_args &a, int64_t node0,
             const int32_t *ids = a.sparse_ids + (node0 + i) * k;
             const int32_t id = ids[j];
             const float pr = a.sparse_probs[(node0 + i) * k + j];
-            bool bad = id < -1 || id >= a.vocab || !(pr >= 0.0f && pr <= 1.001f) ||
+            bool bad = id < -1 || id >= a.vocab || !sf_prob_ok(pr) ||
                        (id == -1 && pr != 0.0f);
             for (int64_t z = 0; z < j && id >= 0 && !bad; z++) bad = ids[z] == id;
             if (bad) worst = min(worst, (uint64_t)i << 8 | (uint64_t)SF_ERR_DRAFT_PROBS);
@@ -1266,7 +1269,7 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
                 if (threadIdx.x == 0) {
                     const bool pre = ch < SF_CU_PRE;
                     const float qx = pre ? s_qx[ch] : sf_cu_draft_prob(a, node, x);
-                    const bool ok = qx >= 0.0f && qx <= 1.001f;
+                    const bool ok = sf_prob_ok(qx);
                     const double u =
                         pre ? s_u[ch]
                             : sf_uniform_open0(sf_philox(p.seed, pos, SF_PURPOSE_ACCEPT, j));

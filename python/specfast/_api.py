@@ -503,8 +503,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     draws; it is formed whole (reading the q row) only where a later sibling is
     tried against it or no try keeps a token. Dense draft probabilities are
     checked where they are read (values in [0, 1.001]): at the drafted token, at
-    each try's token, and where a residual is formed whole at every token the
-    filters keep; there their sum (1 within 1e-3) too where no filter is set,
+    each try's token, and where a residual is formed whole at every token with a
+    weight under the filters; there their sum (1 within 1e-3) too where no filter is set,
     since under ``top_k``, ``top_p`` or ``min_p`` only the kept tokens are read.
     Greedy and coupled verification do not read draft probabilities.
 
