@@ -263,6 +263,18 @@ def test_scalar_params_and_strided_rows(rng):
         np.testing.assert_array_equal(cpu, gpu.cpu().numpy())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_batches_match_cpu(dtype):
+    x = to_dtype(np.zeros((0, 50), np.float32), dtype)
+    none = np.zeros(0, np.int32)
+    assert _cuda.sample(to_torch(x), check=True).shape == sf.sample(x).shape == (0,)
+    assert tuple(_cuda.probs(to_torch(x), check=True).shape) == sf.probs(x).shape == (0, 50)
+    cpu = sf.verify(x, none, none)
+    gpu = _cuda.verify(to_torch(x), to_torch(none), to_torch(none), check=True)
+    assert_same(cpu, gpu, "empty batch")
+    assert np.asarray(cpu.tokens).shape[0] == 0
+
+
 def test_device_num_draft_and_max_draft(rng):
     args, kw = batch_case(rng, 500, "float32", "dense", True, batch=10)
     logits, tokens, nd = args

@@ -384,6 +384,9 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     o_acc = _out(out, "num_accepted", (batch,), torch.int32, dev)
     o_nodes = _out(out, "accepted_nodes", (batch, max_draft), torch.int32, dev)
     status = _out(out, "status", (batch,), torch.int32, dev)
+    if batch == 0:
+        # torch gives empty tensors a NULL data pointer, which the C call refuses.
+        return VerifyResult(o_tok, o_acc, o_nodes)
     vo = ffi.new("sf_verify_out *")
     vo.tokens = ffi.cast("int32_t *", o_tok.data_ptr())
     vo.num_accepted = ffi.cast("int32_t *", o_acc.data_ptr())
@@ -421,6 +424,8 @@ def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p
         result = _out(out, name, tuple(x.shape), torch.float32, dev)
         ptr = ffi.cast("float *", result.data_ptr())
     status = _out(out, "status", (rows,), torch.int32, dev)
+    if rows == 0:
+        return result  # as verify's empty batch: no NULL pointers into the C call
     with torch.cuda.device(dev):
         st = call(cl, params, ptr, ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
     if st:
