@@ -301,6 +301,33 @@ def test_errors_are_reported(rng):
                      check=True)
 
 
+BAD_PARAMS = {
+    "temperature (1, B)": dict(temperature=np.array([[1.0, 0.5]], np.float32)),
+    "top_k (B, 1)": dict(top_k=np.array([[3], [5]], np.int32)),
+    "seed (1, B)": dict(seed=np.array([[1, 2]], np.uint64)),
+    "position (B, 1) tensor": dict(position=torch.tensor([[1], [2]])),
+    "complex temperature": dict(temperature=1 + 0j),
+    "complex top_p array": dict(top_p=np.array([0.5, 0.9], np.complex64)),
+    "numpy bool min_p": dict(min_p=np.bool_(True)),
+    "bool tensor temperature": dict(temperature=torch.tensor([True, False])),
+    "float top_k": dict(top_k=np.float64(2.5)),
+}
+
+
+@pytest.mark.parametrize("kw", BAD_PARAMS.values(), ids=BAD_PARAMS.keys())
+def test_bad_params_are_refused_as_on_cpu(kw):
+    """A parameter of the wrong shape or type is refused as the CPU backend refuses it,
+    not flattened or cast into some other batch's values."""
+    x = np.zeros((4, 40), np.float32)  # 2 requests, 1 draft each
+    tokens, nd = np.array([1, 2], np.int32), np.array([1, 1])
+    with pytest.raises((TypeError, ValueError)) as cpu:
+        sf.verify(x, tokens, nd, **kw)
+    with pytest.raises(cpu.type) as gpu:
+        _cuda.verify(to_torch(x), to_torch(tokens), nd, check=True, **kw)
+    name = next(iter(kw))
+    assert str(gpu.value).startswith(name) and str(cpu.value).startswith(name)
+
+
 BAD_LOGITS = 4 | 2 << 8  # SF_ERR_LOGITS, met while running
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ._cdef import CDEF
 from ._api import (_MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_float, _first_bad_param,
-                   _method, _param_detail, _torch)
+                   _method, _param_detail, _scalar, _torch)
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -146,12 +146,21 @@ def _is_int(v):
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-def _is_scalar(v):
-    return isinstance(v, (int, float, np.generic)) and not isinstance(v, bool)
+def _dtype_kind(value):
+    """(shape, dtype, numpy kind) of an array parameter, without reading device data."""
+    torch = _torch()
+    if isinstance(value, torch.Tensor):
+        d = value.dtype
+        kind = ("f" if d.is_floating_point else "c" if d.is_complex else
+                "b" if d == torch.bool else "i" if d.is_signed else "u")
+        return tuple(value.shape), d, kind
+    a = np.asarray(value)
+    return a.shape, a.dtype, a.dtype.kind
 
 
 def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
-    """An sf_cuda_params: Python scalars by value, arrays as device tensors."""
+    """An sf_cuda_params: Python scalars by value, arrays as device tensors, refused
+    where the CPU backend refuses them (the same scalar rules, shapes and dtypes)."""
     torch = _torch()
     p = ffi.new("sf_cuda_params *")
     keep.append(p)
@@ -162,15 +171,10 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
             ("seed", seed, torch.int64, "uint64_t *"),
             ("position", position, torch.int64, "int64_t *"))
     for name, value, dtype, ctype in spec:
-        if value is None or isinstance(value, bool):
-            raise TypeError(f"{name} must be a number or an array, got {value!r}")
-        if _is_scalar(value):
-            v = value.item() if isinstance(value, np.generic) else value
-            if name in ("top_k", "seed", "position"):
-                if isinstance(v, float):
-                    if not v.is_integer():
-                        raise TypeError(f"{name} must be an integer, got {value!r}")
-                    v = int(v)
+        integer = dtype != torch.float32
+        v = _scalar(value, name, integer)
+        if v is not None:
+            if integer:
                 lo, hi = {"top_k": (0, 1 << 31), "seed": (0, 1 << 64),
                           "position": (-(1 << 63), 1 << 63)}[name]
                 if not lo <= v < hi:
@@ -181,6 +185,12 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
             setattr(p, "n_" + name, 1)
             setattr(p, name + "_value", v)
             continue
+        shape, dt, kind = _dtype_kind(value)
+        if len(shape) > 1:
+            raise ValueError(f"{name} must be a scalar or have one value per request "
+                             f"({batch}), got shape {shape}")
+        if kind not in "iuf":
+            raise TypeError(f"{name} must be numeric, got dtype {dt}")
         if name == "seed" and isinstance(value, torch.Tensor) and not value.is_cuda:
             value = value.detach().numpy()  # host seeds: checked and taken as numpy's
         if name == "seed" and not isinstance(value, torch.Tensor):
