@@ -252,6 +252,32 @@ def test_probs_matches_cpu(vocab, dtype, ties, rng):
     np.testing.assert_array_equal(cpu, gpu.cpu().numpy())
 
 
+@pytest.mark.skipif(not EMULATED, reason="the emulator's devices (tests/cuda_emu)")
+@pytest.mark.parametrize("device", [1, 2], ids=["no-clusters-99KB", "clusters-64KB"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [4099, 32000, 131072], ids=lambda v: f"V{v}")
+def test_devices_with_fewer_resources_match_cpu(vocab, dtype, device, rng, monkeypatch):
+    """Where the device launches no clusters (one block per request) or grants a block
+    less shared memory (slices read from global memory, no e table), every kernel
+    still runs and agrees with the CPU backend; the emulator refuses a launch past
+    the device's limits, as the GPU does."""
+    monkeypatch.setenv("SPECFAST_CUDA_EMU_DEVICE", str(device))
+    for method in METHODS:
+        for kind in KINDS:
+            args, kw = batch_case(rng, vocab, dtype, kind, True, batch=4, max_draft=4)
+            cpu, gpu = run_both(args, kw, method)
+            assert_same(cpu, gpu, f"{method} {kind}")
+    x = _logits(rng, 5, vocab, dtype)
+    p = _row_params(rng, 5)
+    cpu = sf.sample(x, **p)
+    gpu = _cuda.sample(to_torch(x), check=True, **{k: to_torch(v) for k, v in p.items()})
+    np.testing.assert_array_equal(cpu, gpu.cpu().numpy())
+    del p["seed"], p["position"]
+    np.testing.assert_array_equal(
+        sf.probs(x, **p),
+        _cuda.probs(to_torch(x), check=True, **{k: to_torch(v) for k, v in p.items()}).numpy())
+
+
 def test_scalar_params_and_strided_rows(rng):
     x = (rng.standard_normal((8, 300)) * 2).astype(np.float32)
     wide = np.zeros((8, 320), np.float32)

@@ -34,6 +34,15 @@
 #define SF_CU_TILE (SF_CU_THREADS * SF_CU_PER)
 #define SF_FULL_MASK 0xFFFFFFFFu
 
+/* Clusters exist from sm_90. Code built for older GPUs has no cluster paths:
+ * the host never launches a cluster there (sf_cu_cluster_size is 1 where the
+ * device launches none), so csize is 1. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define SF_CU_CLUSTERS 0
+#else
+#define SF_CU_CLUSTERS 1
+#endif
+
 /* The launch's dynamic shared memory (every extern __shared__ array is this
  * one memory; one name lets tests/cuda_emu provide it). 16-byte aligned
  * whatever the static shared memory before it: rows are staged there in
@@ -351,6 +360,9 @@ __device__ __forceinline__ uint64_t sf_cu_block_exscan(uint64_t v) {
  * itself, no barrier. */
 template <class T, class Op>
 __device__ __forceinline__ T sf_cu_cluster_all(T v, int csize, Op op) {
+#if !SF_CU_CLUSTERS
+    return v;
+#else
     if (csize == 1) return v;
     __shared__ T slot;
     cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
@@ -360,10 +372,14 @@ __device__ __forceinline__ T sf_cu_cluster_all(T v, int csize, Op op) {
     T r = sf_cu_lanes_all(k < csize ? *cl.map_shared_rank(&slot, k) : Op::id(), 8, op);
     cl.sync();
     return r;
+#endif
 }
 
 /* The sum of v over the blocks of lower rank (0 for rank 0). */
 __device__ __forceinline__ uint64_t sf_cu_cluster_before(uint64_t v, int csize) {
+#if !SF_CU_CLUSTERS
+    return 0;
+#else
     if (csize == 1) return 0;
     __shared__ uint64_t slot;
     cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
@@ -373,6 +389,7 @@ __device__ __forceinline__ uint64_t sf_cu_cluster_before(uint64_t v, int csize) 
     for (unsigned k = 0; k < cl.block_rank(); k++) r += *cl.map_shared_rank(&slot, k);
     cl.sync();
     return r;
+#endif
 }
 
 #endif /* SF_CUDA_BLOCK_CUH */

@@ -625,6 +625,7 @@ __device__ bool sf_cu_select(const sf_cu_row &r, const sf_cu_span &sp, int mode,
             if (mode) atomicAdd(&hm[ld], (unsigned long long)lm);
         }
         __syncthreads();
+#if SF_CU_CLUSTERS
         if (sp.csize > 1) {
             /* The cluster's histogram: every block sums the blocks' bins. */
             cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
@@ -641,6 +642,7 @@ __device__ bool sf_cu_select(const sf_cu_row &r, const sf_cu_span &sp, int mode,
             }
             cl.sync(); /* all have read before the next round clears hc / hm */
         }
+#endif
         if (threadIdx.x == 0) {
             if (si == 0 && mode) {
                 uint64_t total = 0;
@@ -886,6 +888,7 @@ __device__ void sf_cu_draws(const sf_cu_dist &d, const sf_cu_over &ov, const sf_
         if (first) sf_cu_draw_tile<DT>(d, ov, sp, s_in[k], s_cum[k], targets, s_in, tok, n);
     }
     /* Each token was found by one block (-1 in the others). */
+#if SF_CU_CLUSTERS
     if (sp.csize > 1) {
         cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
         cl.sync();
@@ -896,6 +899,7 @@ __device__ void sf_cu_draws(const sf_cu_dist &d, const sf_cu_over &ov, const sf_
         cl.sync();
         if (threadIdx.x < n) tok[threadIdx.x] = found;
     }
+#endif
     __syncthreads();
 }
 
@@ -1455,8 +1459,10 @@ static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
 }
 
 /* Static and dynamic shared memory together beyond 48 KB must be asked for,
- * per device; each grant is remembered, under a lock (host threads may call
- * at once). */
+ * per device, up to what the device lets a block opt in to; each grant is
+ * remembered, under a lock (host threads may call at once). Too much is
+ * refused here, before cudaFuncSetAttribute would fail: its error would stay
+ * for the caller's next cudaGetLastError (torch checks it after its kernels). */
 static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
     enum { DEVICES = 16, KERNELS = 8 };
     static const void *kernels[DEVICES][KERNELS];
@@ -1476,6 +1482,10 @@ static cudaError_t sf_cu_allow_shm(const void *kernel, size_t bytes) {
     e = cudaFuncGetAttributes(&fa, kernel);
     if (e != cudaSuccess) return e;
     if (fa.sharedSizeBytes + bytes > 48 * 1024) {
+        int most = 0;
+        e = cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (e != cudaSuccess) return e;
+        if (fa.sharedSizeBytes + bytes > (size_t)most) return cudaErrorInvalidValue;
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
         if (e == cudaSuccess)
             e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -1536,14 +1546,21 @@ static int32_t sf_cu_etab_room(const void *kernel, int dtype, int64_t tokens, si
     return (int32_t)(shm / 4);
 }
 
-/* Blocks per request: one per tile up to SF_CU_CLUSTER, so a row is read by
- * many SMs at once (a lone request too) and each slice is small enough to
- * stage in shared memory. SPECFAST_CUDA_CLUSTER=1..8 lowers the limit (for
+/* Blocks per request on the current device: one per tile up to
+ * SF_CU_CLUSTER, so a row is read by many SMs at once (a lone request too)
+ * and each slice is small enough to stage in shared memory; 1 where the
+ * device launches no clusters (before sm_90, some MIG and vGPU setups), or
+ * when it cannot say. SPECFAST_CUDA_CLUSTER=1..8 lowers the limit (for
  * tuning). */
 static int sf_cu_cluster_size(int64_t vocab) {
     const char *env = getenv("SPECFAST_CUDA_CLUSTER");
     int most = env ? atoi(env) : SF_CU_CLUSTER;
     if (most < 1 || most > SF_CU_CLUSTER) most = SF_CU_CLUSTER;
+    int dev = 0, clusters = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev) != cudaSuccess)
+        clusters = 0;
+    if (!clusters) most = 1;
     const int64_t t = (vocab + SF_CU_TILE - 1) / SF_CU_TILE;
     return (int)(t < most ? t : most);
 }
@@ -1645,14 +1662,17 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     a.csize = sf_cu_cluster_size(logits->vocab);
     a.slice = sf_cu_slice(logits->vocab, a.csize);
     const size_t stage = (size_t)a.slice * (logits->dtype == SF_F32 ? 4 : 2);
-    const char *env = getenv("SPECFAST_CUDA_STAGE"); /* 0: never stage (for tuning) */
-    a.cache = stage <= SF_CU_STAGE_MAX && !(env && env[0] == '0');
-    /* The layout the kernel assumes: an even number of tile sums, then the
-     * stage, then the e table. */
-    const size_t shm = (size_t)((a.slice / SF_CU_TILE + 1) & ~1) * 8 + (a.cache ? stage : 0);
     void (*kernel)(sf_cu_verify_args) =
         logits->dtype == SF_F32 ? sf_cu_verify_kernel<SF_F32>
         : logits->dtype == SF_F16 ? sf_cu_verify_kernel<SF_F16> : sf_cu_verify_kernel<SF_BF16>;
+    /* The layout the kernel assumes: an even number of tile sums, then the
+     * stage, then the e table. The stage is left out where the device grants
+     * a block no room for it (its static shared memory counted too). */
+    const size_t tiles = (size_t)((a.slice / SF_CU_TILE + 1) & ~1) * 8;
+    const char *env = getenv("SPECFAST_CUDA_STAGE"); /* 0: never stage (for tuning) */
+    a.cache = stage <= SF_CU_STAGE_MAX && !(env && env[0] == '0') &&
+              sf_cu_allow_shm((const void *)kernel, tiles + stage) == cudaSuccess;
+    const size_t shm = tiles + (a.cache ? stage : 0);
     a.etab = sf_cu_etab_room((const void *)kernel, logits->dtype, a.slice, shm);
     return sf_cu_launch(kernel, a, draft->batch * a.csize, shm + (a.etab ? SF_CU_ETAB_BYTES : 0),
                         a.csize, stream);

@@ -50,9 +50,10 @@ typedef struct sf_cuda_params {
     const int64_t *position;  int64_t n_position;    int64_t position_value;
 } sf_cuda_params;
 
-/* Bytes of device workspace sf_cuda_verify needs for these shapes (0 is
- * possible; pass NULL then). Depends on draft->n, draft->batch, draft->kind,
- * draft->sparse_k, whether draft->parents is set, logits->vocab and method. */
+/* Bytes of device workspace sf_cuda_verify needs for these shapes on the
+ * current device (0 is possible; pass NULL then). Depends on draft->n,
+ * draft->batch, draft->kind, draft->sparse_k, whether draft->parents is set,
+ * logits->vocab, method, and whether the device launches clusters. */
 SF_API int64_t sf_cuda_verify_workspace(const sf_logits *logits, const sf_draft *draft,
                                         sf_method method);
 

@@ -402,9 +402,9 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     vo.num_accepted = ffi.cast("int32_t *", o_acc.data_ptr())
     vo.accepted_nodes = ffi.cast("int32_t *", o_nodes.data_ptr()) if max_draft else ffi.NULL
     vo.max_draft = max_draft
-    need = lib().sf_cuda_verify_workspace(cl, d, m)
-    ws = _workspace(out, need, dev) if need else None
-    with torch.cuda.device(dev):
+    with torch.cuda.device(dev):  # the workspace depends on the device (its clusters)
+        need = lib().sf_cuda_verify_workspace(cl, d, m)
+        ws = _workspace(out, need, dev) if need else None
         st = lib().sf_cuda_verify(cl, d, params, m, vo, ffi.cast("int32_t *", status.data_ptr()),
                                   _ptr(ws) if need else ffi.NULL, need, _stream(dev))
     if st:

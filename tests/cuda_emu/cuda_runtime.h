@@ -27,6 +27,13 @@
  *   SPECFAST_CUDA_EMU_ORDER says: "reverse", or a number, the seed of a new
  *   random order each time. A result that changes with the order is a race
  *   between threads that the barriers do not order.
+ * - Devices: SPECFAST_CUDA_EMU_DEVICE picks what cudaGetDevice returns. 0
+ *   (the default) is sm_90-like: clusters of up to 8 blocks, 227 KB of shared
+ *   memory a block may opt in to. 1 launches no clusters and grants 99 KB (an
+ *   sm_86 / sm_89 GPU, or a MIG or vGPU setup without clusters). 2 launches
+ *   clusters but grants 64 KB, less than any GPU does, so that the host's
+ *   fallbacks show without the static shared memory's size (unknown here).
+ *   A launch past a device's limits fails.
  * - A launch runs to its end before cudaLaunchKernelEx returns; streams are
  *   ignored. A block's shared memory, static and dynamic, starts filled with
  *   0xFF bytes (a NaN as float): the GPU's is uninitialised too.
@@ -111,6 +118,11 @@ enum cudaFuncAttribute {
 };
 enum { cudaSharedmemCarveoutMaxShared = 100 };
 struct cudaFuncAttributes { size_t sharedSizeBytes; int maxThreadsPerBlock; };
+
+enum cudaDeviceAttr {
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+    cudaDevAttrClusterLaunch = 120,
+};
 
 enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4 };
 union cudaLaunchAttributeValue {
@@ -586,9 +598,22 @@ inline void run_block(Cluster &c, unsigned rank) {
     if (mem != MAP_FAILED) munmap(mem, n * each);
 }
 
-/* Kernels the host granted more than 48 KB of dynamic shared memory. */
+/* The emulated devices (the header's comment): clusters, opt-in shared memory. */
+struct Device { bool clusters; int shared_optin; };
+inline const Device devices[] = {{true, SF_EMU_SHARED_MAX}, {false, 99 * 1024},
+                                 {true, 64 * 1024}};
+enum { DEVICES = sizeof devices / sizeof devices[0] };
+
+inline int current_device() {
+    const char *env = getenv("SPECFAST_CUDA_EMU_DEVICE");
+    const int d = env ? atoi(env) : 0;
+    return d >= 0 && d < DEVICES ? d : 0;
+}
+
+/* Kernels the host granted more than 48 KB of dynamic shared memory, per
+ * device. */
 inline std::mutex grants_lock;
-inline std::vector<std::pair<const void *, int>> grants;
+inline std::vector<std::pair<std::pair<int, const void *>, int>> grants;
 
 inline thread_local std::string last_error;
 
@@ -598,11 +623,12 @@ inline cudaError_t launch(const cudaLaunchConfig_t &cfg, const void *kernel,
     for (unsigned i = 0; i < cfg.numAttrs; i++)
         if (cfg.attrs[i].id == cudaLaunchAttributeClusterDimension)
             csize = cfg.attrs[i].val.clusterDim.x;
+    const Device &dev = devices[current_device()];
     int granted = 48 * 1024;
     {
         std::lock_guard<std::mutex> hold(grants_lock);
         for (auto &g : grants)
-            if (g.first == kernel) granted = g.second;
+            if (g.first == std::make_pair(current_device(), kernel)) granted = g.second;
     }
     std::string bad;
     if (cfg.gridDim.y != 1 || cfg.gridDim.z != 1 || cfg.blockDim.y != 1 || cfg.blockDim.z != 1)
@@ -613,7 +639,10 @@ inline cudaError_t launch(const cudaLaunchConfig_t &cfg, const void *kernel,
         bad = "an empty grid";
     else if (csize < 1 || csize > 8 || cfg.gridDim.x % csize)
         bad = "cluster size " + std::to_string(csize) + " does not divide the grid (or is past 8)";
-    else if (cfg.dynamicSmemBytes > (size_t)granted || cfg.dynamicSmemBytes > SF_EMU_SHARED_MAX)
+    else if (csize > 1 && !dev.clusters)
+        bad = "a cluster on a device that launches none";
+    else if (cfg.dynamicSmemBytes > (size_t)granted ||
+             cfg.dynamicSmemBytes > (size_t)dev.shared_optin)
         bad = std::to_string(cfg.dynamicSmemBytes) + " bytes of dynamic shared memory, " +
               std::to_string(granted) + " granted";
     if (!bad.empty()) {
@@ -766,7 +795,21 @@ inline double max(double a, double b) { return fmax(a, b); }
 
 /* ---- host functions ---- */
 
-inline cudaError_t cudaGetDevice(int *dev) { *dev = 0; return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int *dev) {
+    *dev = sf_emu::current_device();
+    return cudaSuccess;
+}
+
+inline cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int dev) {
+    if (dev < 0 || dev >= sf_emu::DEVICES) return cudaErrorInvalidValue;
+    switch (attr) {
+    case cudaDevAttrClusterLaunch: *value = sf_emu::devices[dev].clusters; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+        *value = sf_emu::devices[dev].shared_optin;
+        return cudaSuccess;
+    }
+    return cudaErrorInvalidValue;
+}
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 
 inline const char *cudaGetErrorString(cudaError_t e) {
@@ -787,11 +830,12 @@ inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *fa, const void *) {
 
 inline cudaError_t cudaFuncSetAttribute(const void *kernel, cudaFuncAttribute attr, int value) {
     if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
-        if (value < 0 || value > SF_EMU_SHARED_MAX) return cudaErrorInvalidValue;
+        const int dev = sf_emu::current_device();
+        if (value < 0 || value > sf_emu::devices[dev].shared_optin) return cudaErrorInvalidValue;
         std::lock_guard<std::mutex> hold(sf_emu::grants_lock);
         for (auto &g : sf_emu::grants)
-            if (g.first == kernel) { g.second = value; return cudaSuccess; }
-        sf_emu::grants.emplace_back(kernel, value);
+            if (g.first == std::make_pair(dev, kernel)) { g.second = value; return cudaSuccess; }
+        sf_emu::grants.emplace_back(std::make_pair(dev, kernel), value);
     }
     return cudaSuccess;
 }
@@ -800,7 +844,7 @@ inline cudaError_t cudaFuncSetAttribute(const void *kernel, cudaFuncAttribute at
  * what a block may have), so the kernels take every option the GPU may. */
 inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *,
                                                                  int, size_t shm) {
-    *blocks = shm <= SF_EMU_SHARED_MAX;
+    *blocks = shm <= (size_t)sf_emu::devices[sf_emu::current_device()].shared_optin;
     return cudaSuccess;
 }
 
