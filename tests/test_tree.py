@@ -150,6 +150,33 @@ def test_kv_compact_on_other_devices_moves_as_on_cpu(layout):
     np.testing.assert_array_equal(t.numpy(), expect)
 
 
+@pytest.mark.parametrize("nodes, acc, roots", [
+    ([[1, 3], [0, -1]], [2, 3], [0, 2]),     # more accepted than the path's width
+    ([[1, 3], [0, -1]], [2, -1], [0, 2]),    # negative count
+    ([[1, 3], [0, 1]], [2, 2], [0, 10]),     # root past the cache, path already in place
+    ([[1, 3], [3, 1]], [2, 2], [0, 2]),      # path not increasing
+    ([[1, 3], [0, -1]], [2, 2], [0, 2]),     # -1 inside the path
+    ([[1, 3], [2, 7]], [2, 2], [0, 2]),      # node past the cache's end
+], ids=["count-past-width", "negative-count", "root-past-cache", "decreasing", "padding",
+        "node-past-end"])
+def test_kv_compact_torch_path_refuses_what_the_core_refuses(nodes, acc, roots):
+    """Off-CPU tensors take the torch path: it refuses the same requests as the C
+    core, with a ValueError, before moving any request (it moved the valid ones
+    first, and let some through or failed inside numpy)."""
+    torch = pytest.importorskip("torch")
+    from specfast._tree import _kv_compact_torch, _paths
+
+    base = np.arange(2 * 10.0, dtype=np.float32).reshape(2, 1, 10, 1)
+    with pytest.raises(ValueError, match="inside the cache"):
+        specfast.kv_compact(base.copy(), nodes, acc, roots, seq_axis=2)
+    t = torch.from_numpy(base.copy())
+    with pytest.raises(ValueError, match="inside the cache"):
+        _kv_compact_torch(t, *_paths(nodes, acc, roots), 0, 2)
+    np.testing.assert_array_equal(t.numpy(), base)
+    with pytest.raises(ValueError, match="batch"):
+        _kv_compact_torch(torch.zeros(3, 1, 10, 1), *_paths([[0]], [1], 0), 0, 2)
+
+
 def test_kv_compact_torch_bfloat16_in_place():
     torch = pytest.importorskip("torch")
     cache = torch.randn(2, 4, 12, 6, dtype=torch.bfloat16)
@@ -216,6 +243,41 @@ def test_kv_compact_root_slot_out_of_range(root):
 def test_tree_helpers_reject_bad_input(call, error):
     with pytest.raises(error):
         call()
+
+
+@pytest.mark.parametrize("kind", ["torch-batch", "torch-heads", "numpy-seq", "meta-batch", "c-core"])
+def test_kv_compact_refuses_caches_whose_entries_share_memory(kind):
+    """An expanded or broadcast axis (stride 0) would let one request's move overwrite
+    another's: refused before anything moves (it was written through silently)."""
+    nodes, acc = np.array([[2, -1], [1, 3]]), np.array([1, 2])
+    if kind == "c-core":  # what a direct C caller gets
+        from specfast._lib import ffi, lib
+        base = np.arange(20.0, dtype=np.float32)
+        c = ffi.new("sf_kv_cache *", {"data": ffi.cast("void *", base.ctypes.data),
+                                      "n_outer": 1, "batch": 2, "batch_stride": 0, "n_inner": 1,
+                                      "seq_len": 10, "seq_stride": 4, "row_bytes": 4})
+        n32, a32 = nodes.astype(np.int32), acc.astype(np.int32)
+        roots = np.zeros(2, np.int64)
+        ptr = lambda a, t: ffi.cast(t, a.ctypes.data)
+        status = lib().sf_kv_compact(c, ptr(n32, "int32_t *"), ptr(a32, "int32_t *"), 2,
+                                     ptr(roots, "int64_t *"), ffi.NULL)
+        assert status != 0 and np.array_equal(base, np.arange(20.0))
+        return
+    if kind == "numpy-seq":
+        own = np.arange(2 * 10.0, dtype=np.float32).reshape(2, 1, 10, 1)
+        cache = np.lib.stride_tricks.as_strided(own, (2, 1, 10, 1), (40, 40, 0, 4), writeable=True)
+    else:
+        torch = pytest.importorskip("torch")
+        device = "meta" if kind == "meta-batch" else "cpu"
+        if kind == "torch-heads":
+            cache = torch.arange(20.0).reshape(2, 1, 10, 1).expand(2, 3, 10, 1)
+        else:
+            cache = torch.arange(10.0, device=device).reshape(1, 1, 10, 1).expand(2, 1, 10, 1)
+    before = np.array(cache) if kind != "meta-batch" else None
+    with pytest.raises(ValueError, match="stride 0"):
+        specfast.kv_compact(cache, nodes, acc, 0, batch_axis=0, seq_axis=2)
+    if before is not None:
+        np.testing.assert_array_equal(np.array(cache), before)
 
 
 def test_kv_compact_edge_layouts():

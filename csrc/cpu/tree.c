@@ -59,6 +59,12 @@ SF_API sf_status sf_kv_compact(const sf_kv_cache *c, const int32_t *nodes,
         (max_draft > 0 && !nodes) || c->n_outer < 0 || c->batch < 0 ||
         c->n_inner < 0 || c->seq_len < 0 || c->row_bytes < 0)
         return SF_ERR_ARGUMENT;
+    /* A stride-0 axis aliases its entries: moves would overwrite each other
+     * (an empty cache, which moves nothing, may have any strides). */
+    const int empty = !c->n_outer || !c->batch || !c->n_inner || !c->seq_len || !c->row_bytes;
+    if (!empty && ((c->n_outer > 1 && !c->outer_stride) || (c->batch > 1 && !c->batch_stride) ||
+        (c->n_inner > 1 && !c->inner_stride) || (c->seq_len > 1 && !c->seq_stride)))
+        return SF_ERR_ARGUMENT;
     /* Check every request before moving anything. */
     for (int64_t b = 0; b < c->batch; b++) {
         const int32_t n = num_accepted[b];

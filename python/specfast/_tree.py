@@ -112,6 +112,18 @@ def _axes(ndim, batch_axis, seq_axis):
     return axes
 
 
+def _refuse_aliases(shape, strides):
+    """A stride-0 axis (a broadcast or expanded view) would have one request's
+    move overwrite another's: refused, as torch refuses in-place writes there.
+    An empty cache has nothing to share (numpy gives it any strides)."""
+    if 0 in tuple(shape):
+        return
+    for ax, (n, s) in enumerate(zip(shape, strides)):
+        if n > 1 and s == 0:
+            raise ValueError(f"kv_compact: axis {ax} of the cache has stride 0 (a broadcast or "
+                             "expanded view), so its entries share memory; pass a copy")
+
+
 def _merge(shape, strides, axes, name):
     """One (count, stride) for consecutive axes that address memory as one."""
     count, stride = 1, 0
@@ -139,7 +151,8 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     cache : numpy array or torch CPU tensor, float32/float16/bfloat16 (any dtype)
         Any layout with a batch axis before a sequence axis, whose axes after
         the sequence axis are contiguous, e.g. ``(batch, heads, seq, head_dim)``
-        or ``(layers, 2, batch, heads, seq, head_dim)``. Modified in place.
+        or ``(layers, 2, batch, heads, seq, head_dim)``. Modified in place;
+        a broadcast or expanded view (an axis with stride 0) is refused.
     accepted_nodes : int array ``(B, max_draft)``, ``num_accepted`` ``(B,)``
         As :func:`specfast.verify` returns them.
     root_slot : int array ``(B,)`` or int
@@ -156,6 +169,7 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     if _is_torch(cache):
         if cache.device.type != "cpu":
             ba, sa = _axes(cache.dim(), batch_axis, seq_axis)
+            _refuse_aliases(cache.shape, cache.stride())
             return _kv_compact_torch(cache, nodes, acc, roots, ba, sa)
         t = cache.detach()  # the same memory: moved in place, outside autograd
         arr = t.view(_torch().int16).numpy() if t.dtype == _torch().bfloat16 else t.numpy()
@@ -180,6 +194,7 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
         raise ValueError("kv_compact: the axes after the sequence axis must be contiguous")
     if not arr.flags.writeable:
         raise ValueError("kv_compact: the cache is read-only")
+    _refuse_aliases(arr.shape, arr.strides)
     n_outer, outer_stride = _merge(arr.shape, arr.strides, list(range(ba)), "leading")
     n_inner, inner_stride = _merge(arr.shape, arr.strides, list(range(ba + 1, sa)), "middle")
     c = ffi.new("sf_kv_cache *")
@@ -199,19 +214,28 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
 
 
 def _kv_compact_torch(cache, nodes, acc, roots, ba, sa):
-    """The same move for tensors on another device, with torch indexing (ba < sa)."""
+    """The same move for tensors on another device, with torch indexing (ba < sa),
+    after the C core's checks on every request before anything moves."""
     torch = _torch()
-    for b in range(acc.shape[0]):
+    batch, width, seq = acc.shape[0], nodes.shape[1], cache.shape[sa]
+    if cache.shape[ba] != batch:
+        raise ValueError(f"kv_compact: cache batch {cache.shape[ba]} != {batch} requests")
+    paths = []
+    for b in range(batch):
         n = int(acc[b])
-        path = nodes[b, :n].astype(np.int64)
+        path = nodes[b, :max(n, 0)].astype(np.int64)
+        if not 0 <= n <= width or n and (roots[b] >= seq or path[0] < 0 or
+                                         np.any(np.diff(path) <= 0) or
+                                         path[-1] >= seq - 1 - roots[b]):
+            raise ValueError(f"specfast.kv_compact: request {b}: accepted nodes must increase "
+                             "along the path and stay inside the cache")
+        paths.append(path)
+    for b, path in enumerate(paths):
+        n = path.shape[0]
         if n == 0 or np.all(path == np.arange(n)):
             continue
-        if np.any(np.diff(path) <= 0) or path[0] < 0:
-            raise ValueError("kv_compact: accepted nodes must increase along the path")
         src = torch.as_tensor(roots[b] + 1 + path, device=cache.device)
         dst = torch.as_tensor(roots[b] + 1 + np.arange(n), device=cache.device)
-        if path[-1] >= cache.shape[sa] - 1 - roots[b]:
-            raise ValueError("kv_compact: accepted nodes must stay inside the cache")
         view = cache.select(ba, b)  # the sequence axis is now sa - 1
         view.index_copy_(sa - 1, dst, view.index_select(sa - 1, src))
     return cache
