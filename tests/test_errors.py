@@ -254,12 +254,14 @@ def test_invalid_parameters(case, fn):
     raises(lambda: call(**{name: arr}), name)
 
 
+@pytest.mark.parametrize("method", ["greedy", ["rejection"], None, 1], ids=str)
 @pytest.mark.parametrize("fn", ["verify", "sample"])
-def test_unknown_method(fn):
+def test_unknown_method(fn, method):
+    """Named in the message (a list was an 'unhashable type' error)."""
     if fn == "verify":
-        raises(lambda: sf.verify(**base_verify(), method="greedy"), "method")
+        raises(lambda: sf.verify(**base_verify(), method=method), "method must be")
     else:
-        raises(lambda: sf.sample(base_rows(), method="greedy"), "method")
+        raises(lambda: sf.sample(base_rows(), method=method), "method must be")
 
 
 LENGTH_CASES = [

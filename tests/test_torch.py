@@ -91,6 +91,19 @@ def test_torch_non_contiguous_and_int64_positions(rng):
     np.testing.assert_array_equal(sf.probs(f).numpy(), sf.probs(x))
 
 
+def test_torch_bfloat16_parameter_tensors(rng):
+    """A bfloat16 tensor of temperatures (numpy has no bfloat16) samples as the same
+    values in float32; for an integer parameter it is a TypeError naming it."""
+    x = (rng.standard_normal((30, 50)) * 2).astype(np.float32)
+    temps = torch.linspace(0.25, 2.0, 30, dtype=torch.bfloat16)
+    np.testing.assert_array_equal(
+        sf.sample(torch.from_numpy(x), seed=3, temperature=temps).numpy(),
+        sf.sample(x, seed=3, temperature=temps.float().numpy()),
+    )
+    with pytest.raises(TypeError, match="seed must hold integers"):
+        sf.sample(x, seed=torch.ones(30, dtype=torch.bfloat16))
+
+
 def test_torch_sparse_probs(rng):
     reqs = [random_request(rng, 13, 5, tree=True) for _ in range(100)]
     (logits, tokens, nd), kw = pack(reqs, "sparse")

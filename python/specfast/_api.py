@@ -214,6 +214,10 @@ def _scalar(value, name, integer):
 def _array_param(value, name, batch, keep):
     ctype, dtype = _CTYPES[name]
     if _is_torch(value):
+        if value.dtype == _torch().bfloat16:  # numpy has none; float32 holds it exactly
+            if dtype != np.float32:
+                raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
+            value = value.float()
         value = _torch_to_numpy(value, name)
     a = np.asarray(value)
     if a.ndim > 1 or (a.ndim == 1 and a.shape[0] not in (1, batch)):
@@ -369,7 +373,7 @@ def _int_param(v, name, slot, batch, keep):
 
 
 def _method(method):
-    code = _METHODS.get(method)
+    code = _METHODS.get(method) if isinstance(method, str) else None
     if code is None:
         raise ValueError(f"method must be 'rejection' or 'coupled', got {method!r}")
     return code
