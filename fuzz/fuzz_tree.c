@@ -8,9 +8,10 @@
  * -1 past the request's tokens.
  * sf_kv_compact: a cache of random geometry (strides with gaps, outer and
  * inner dims), accepted paths that increase (or not), root slots inside (or
- * not). On SF_OK the cache equals a plain sequential reference of the moves
- * and nothing outside the rows it names changed (ASan checks every access
- * against the exact allocation).
+ * not), now and then an axis with stride 0 (must be refused). On SF_OK the
+ * cache equals a plain sequential reference of the moves and nothing outside
+ * the rows it names changed (ASan checks every access against the exact
+ * allocation); a refused call moves nothing.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -163,9 +164,19 @@ static void run_kv(reader *r) {
     }
     sf_kv_cache c = {data, n_outer, outer_stride, batch, batch_stride, n_inner, inner_stride,
                      seq, seq_stride, row_bytes};
+    /* An axis with stride 0 (an expanded view) aliases its entries: refused,
+     * unless the cache is empty (batch 0: the only axis here that can be). */
+    const uint8_t alias = batch ? u8(r) % 16 : 0;
+    int aliased = 0;
+    if (alias == 1 && n_outer > 1) c.outer_stride = 0, aliased = 1;
+    if (alias == 2 && batch > 1) c.batch_stride = 0, aliased = 1;
+    if (alias == 3 && n_inner > 1) c.inner_stride = 0, aliased = 1;
+    if (alias == 4 && seq > 1) c.seq_stride = 0, aliased = 1;
     sf_error err = {-5};
     sf_status st = sf_kv_compact(&c, nodes, nacc, max_draft, root, &err);
-    check_status(st, &err, batch, valid);
+    check_status(st, &err, batch, valid && !aliased);
+    if (aliased && st == SF_OK) FAIL("a cache with a stride-0 axis was accepted");
+    if (st != SF_OK && memcmp(data, ref, bytes)) FAIL("a refused call moved entries");
     if (st == SF_OK) {
         for (int64_t b = 0; b < batch; b++)
             for (int64_t k = 0; k < nacc[b]; k++) {
