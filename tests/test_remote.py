@@ -433,6 +433,44 @@ def test_malformed_remote_probabilities_fall_back(target, repeat):
         server.stop(0)
 
 
+class _StrayByte(pb_grpc.DrafterServicer):
+    """A drafter (not ours) whose probabilities carry one byte too many."""
+
+    def __init__(self, payload):
+        self.payload = payload
+
+    def Session(self, messages, context):
+        for m in messages:
+            if m.WhichOneof("msg") == "hello":
+                yield pb.FromDrafter(welcome=pb.Welcome(version=1, drafter="stray"))
+                continue
+            out = pb.Drafts(step=m.step.step)
+            for u in m.step.updates:
+                d = out.drafts.add(tokens=[1] * u.k)
+                if u.k:
+                    d.ids.extend([1, 2, 3, 4] * u.k if self.payload == "topk" else [])
+                    d.probs = bytes(16 * u.k + 1)
+            yield pb.FromDrafter(drafts=out)
+
+
+@pytest.mark.parametrize("payload", ["topk", "dense"])
+def test_probabilities_of_a_stray_byte_fall_back(target, payload):
+    from concurrent import futures
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_DrafterServicer_to_server(_StrayByte(payload), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    d = remote(port, target, payload=payload, top_k=4, retry=100.0)
+    try:
+        g = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[0], 8, temperature=1.0,
+                                                       method="rejection", seed=1)
+        assert len(g.tokens) == 8 and d.stats.local_steps > 0
+        assert any("not float32s" in f for f in d.stats.failures)
+    finally:
+        d.close()
+        server.stop(0)
+
+
 class _ChainOnly:
     """A target without keep_paths (as LlamaCppModel): it verifies chains only."""
 

@@ -413,7 +413,7 @@ class RemoteDrafter(Drafter):
         probs = None
         if n and self.payload == "topk" and d.ids:
             ids = np.array(d.ids, np.int64)
-            vals = np.frombuffer(d.probs, "<f4")
+            vals = _floats(d.probs)
             if ids.size != n * self.top_k or vals.size != ids.size:
                 raise RemoteError("a top-k draft of the wrong size")
             if ids.max() >= self.vocab_size:
@@ -424,12 +424,20 @@ class RemoteDrafter(Drafter):
                 raise RemoteError("a top-k draft that repeats a token id")
             probs = _api.SparseProbs(ids.reshape(n, self.top_k), vals.reshape(n, self.top_k).copy())
         elif n and self.payload == "dense" and d.probs:
-            vals = np.frombuffer(d.probs, "<f4")
+            vals = _floats(d.probs)
             if vals.size != n * self.vocab_size:
                 raise RemoteError("a dense draft of the wrong size")
             probs = vals.reshape(n, self.vocab_size).copy()
             _check_probs(probs)
         return Draft(tokens, probs, int(d.match), parents)
+
+
+def _floats(buf):
+    """Little-endian float32s from a message's bytes (a stray byte is the
+    drafter's fault: RemoteError, not numpy's ValueError)."""
+    if len(buf) % 4:
+        raise RemoteError(f"draft probabilities of {len(buf)} bytes, not float32s")
+    return np.frombuffer(buf, "<f4")
 
 
 def _check_probs(rows):
