@@ -262,6 +262,20 @@ def test_stop_strings_end_where_plain_decoding_ends(target, at):
     assert runs[0] == runs[1] == plain.tokens[:at + 2]
 
 
+def test_a_stop_string_given_alone(target):
+    """stop="a b" is one stop string (was split into its characters, so the
+    space stopped at once); an empty or non-string stop is refused."""
+    dec = SpeculativeDecoder(target, NgramDrafter(), k=4)
+    plain = dec.generate(PROMPTS[0], 16)
+    stop = " ".join(map(str, plain.tokens[3:5]))
+    assert dec.generate(PROMPTS[0], 16, stop=stop).tokens == \
+        dec.generate(PROMPTS[0], 16, stop=[stop]).tokens == plain.tokens[:5]
+    with pytest.raises(ValueError, match="must not be empty"):
+        dec.generate(PROMPTS[0], 4, stop=[""])
+    with pytest.raises(TypeError, match="stop strings must be str, got int"):
+        dec.generate(PROMPTS[0], 4, stop=[7])
+
+
 def test_metrics_add_up(target):
     dec = SpeculativeDecoder(target, NgramDrafter(), k=4)
     g = dec.generate(PROMPTS[0], 30)

@@ -487,8 +487,8 @@ class SpeculativeDecoder:
             character); a tokenizer that rewrites earlier text as more tokens come
             (``clean_up_tokenization_spaces``) streams it as first decoded, and the
             returned ``text`` is the final one.
-        stop : list of str or None
-            Stop strings; the text is cut before the first one, and the tokens end
+        stop : str, list of str or None
+            Stop strings (a str is one); the text is cut before the first one, and the tokens end
             with the one that completes it, as in plain decoding.
         eos : bool
             Stop at the model's end-of-sequence tokens.
@@ -501,7 +501,7 @@ class SpeculativeDecoder:
         if max_new < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
         sampling = [_sampling(temperature, top_k, top_p, min_p, s, method) for s in seeds]
-        results = self._run(prompts, sampling, max_new, stream, list(stop or []), eos)
+        results = self._run(prompts, sampling, max_new, stream, _stops(stop), eos)
         return results[0] if single else results
 
     def memory_report(self, batch: int | None = None, context: int | None = None) -> dict:
@@ -754,6 +754,17 @@ class SpeculativeDecoder:
         if stream is not None and (out or delta):
             stream(i, out, delta)
         return done
+
+
+def _stops(stop) -> list:
+    """The stop strings as a list: a str is one stop string, not its characters."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    for s in stops:
+        if not isinstance(s, str):
+            raise TypeError(f"stop strings must be str, got {type(s).__name__}")
+        if not s:
+            raise ValueError("a stop string must not be empty (it would stop at once)")
+    return stops
 
 
 def _find_stop(text: str, stop) -> int:
