@@ -251,9 +251,9 @@ def raw_session(port, messages, timeout=5.0):
         return list(stub.Session(iter(messages), timeout=timeout))
 
 
-def hello(version=1, **kw):
+def hello(version=1, sampling=None, **kw):
     h = pb.Hello(version=version, payload=pb.TOKENS, vocab_size=48, **kw)
-    h.requests.add(tokens=[1, 2, 3, 1, 2], sampling=pb.Sampling(coupled=True))
+    h.requests.add(tokens=[1, 2, 3, 1, 2], sampling=sampling or pb.Sampling(coupled=True))
     return pb.ToDrafter(hello=h)
 
 
@@ -268,7 +268,13 @@ def hello(version=1, **kw):
     ([hello(), pb.ToDrafter(step=pb.Step(step=1, select=[3], updates=[pb.Update()]))],
      "select"),
     ([hello(), hello()], "only steps"),
-], ids=["version", "no-hello", "order", "token-id", "updates", "k", "select", "hello-twice"])
+    ([hello(sampling=pb.Sampling(temperature=float("nan"), coupled=True))], "sampling needs"),
+    ([hello(sampling=pb.Sampling(temperature=-1.0, coupled=True))], "temperature=-1.0"),
+    ([hello(sampling=pb.Sampling(temperature=0.7, min_p=2.0, coupled=True))], "min_p=2.0"),
+    ([hello(sampling=pb.Sampling(temperature=0.7, top_p=1.5, coupled=True))], "top_p=1.5"),
+    ([hello(sampling=pb.Sampling(temperature=0.7, top_k=-1, coupled=True))], "top_k=-1"),
+], ids=["version", "no-hello", "order", "token-id", "updates", "k", "select", "hello-twice",
+        "nan-temperature", "negative-temperature", "min_p", "top_p", "top_k"])
 def test_malformed_messages_are_refused(ngram_server, messages, error):
     replies = raw_session(ngram_server, messages)
     assert replies[-1].WhichOneof("msg") == "error"

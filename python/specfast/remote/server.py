@@ -39,8 +39,14 @@ class ProtocolError(ValueError):
 
 
 def _sampling(s) -> Sampling:
-    return Sampling(float(s.temperature), int(s.top_k), float(s.top_p), float(s.min_p),
-                    int(s.seed), "coupled" if s.coupled else "rejection")
+    """A request's Sampling, refused at hello where a drafter could not use it
+    (it would fail later, a bare gRPC error). An unset top_p (proto3 reads 0) is 1."""
+    values = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p or 1.0,
+              "min_p": s.min_p}
+    if _api._first_bad_param(values) is not None:
+        raise ProtocolError(f"hello: sampling needs {_api._param_detail(values, 0)}")
+    return Sampling(float(s.temperature), int(s.top_k), float(values["top_p"]),
+                    float(s.min_p), int(s.seed), "coupled" if s.coupled else "rejection")
 
 
 def encode_draft(d, payload: int, top_k: int, vocab: int):
