@@ -14,6 +14,8 @@ capture, a host tensor refused as not on the device) is skipped.
 
 import contextlib
 import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -518,6 +520,55 @@ def test_cuda_graph_capture(rng):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out["tokens"], ref)
+
+
+_CAPTURE_FIRST = """
+import torch
+import specfast as sf
+from specfast import _cuda
+B, K, V = 8, 4, 151936
+torch.manual_seed(3)
+logits = torch.randn(B * (K + 1), V, device="cuda").mul_(3).to(torch.bfloat16)
+rows = (torch.arange(B, device="cuda")[:, None] * (K + 1) + torch.arange(K, device="cuda"))
+near = logits[rows.view(-1)].float() + 0.3 * torch.randn(B * K, V, device="cuda")
+q = torch.softmax(near / 0.8, dim=1)  # a close drafter: some nodes accepted
+tokens = torch.multinomial(q, 1).view(-1).to(torch.int32)
+nd = torch.full((B,), K, dtype=torch.int32, device="cuda")
+seed = torch.arange(B, dtype=torch.int64, device="cuda") + 11
+position = torch.arange(B, dtype=torch.int64, device="cuda") * 7
+kw = dict(draft_probs=q, temperature=0.8, top_p=0.95, seed=seed, position=position,
+          max_draft=K)
+out = {"tokens": torch.full((B, K + 1), -7, dtype=torch.int32, device="cuda"),
+       "num_accepted": torch.empty(B, dtype=torch.int32, device="cuda"),
+       "accepted_nodes": torch.empty(B, K, dtype=torch.int32, device="cuda"),
+       "status": torch.empty(B, dtype=torch.int32, device="cuda"),
+       "workspace": torch.empty(1 << 24, dtype=torch.uint8, device="cuda")}
+torch.cuda.synchronize()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):  # the first call of the process: nothing warmed up
+    _cuda.verify(logits, tokens, nd, out=out, check=False, **kw)
+g.replay()
+torch.cuda.synchronize()
+assert not out["status"].any(), out["status"]
+ref = _cuda.verify(logits, tokens, nd, check=True, **kw)
+assert torch.equal(out["tokens"], ref.tokens), (out["tokens"], ref.tokens)
+kw.pop("max_draft")
+cpu = sf.verify(logits.cpu(), tokens.cpu(), nd.cpu(), **{
+    k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()})
+assert torch.equal(cpu.tokens, ref.tokens.cpu())
+print("captured first", out["num_accepted"].tolist())
+"""
+
+
+@needs_gpu
+def test_verify_captured_before_any_call():
+    """verify's first call in a process, under CUDA-graph capture (the bar case's
+    vocabulary, bf16, dense q, device seeds and positions): its one-time set-up
+    (shared-memory grants, device attributes, occupancy queries) must not break the
+    capture, and the replay gives the tokens of an uncaptured call and of the CPU."""
+    r = subprocess.run([sys.executable, "-c", _CAPTURE_FIRST], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "captured first" in r.stdout, r.stdout + r.stderr
 
 
 def _outcome(fn):
