@@ -539,3 +539,187 @@ def test_serve_cli_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "specfast.remote.serve_cli", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--workers" in out.stdout and "--idle" in out.stdout
+
+
+class _Scripted(pb_grpc.DrafterServicer):
+    """A drafter (not ours) that answers each step with ``reply(step)``: a list of
+    FromDrafter messages."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def Session(self, messages, context):
+        for m in messages:
+            if m.WhichOneof("msg") == "hello":
+                yield pb.FromDrafter(welcome=pb.Welcome(version=1, drafter="scripted"))
+                continue
+            yield from self.reply(m.step)
+
+
+def _fake_server(servicer):
+    from concurrent import futures
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_DrafterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_stale_replies_do_not_extend_the_wait(target):
+    """A drafter that answers a step only with stale look-aheads, each well inside
+    the timeout: the step still gives up after one timeout and drafts locally."""
+    def stale(step):
+        for _ in range(40):  # 8 s of them at most
+            time.sleep(0.2)
+            yield pb.FromDrafter(drafts=pb.Drafts(step=0, ahead=True))
+
+    server, port = _fake_server(_Scripted(stale))
+    d = remote(port, target, timeout=1.0, retry=100.0)
+    try:
+        ctx = [[1, 2, 3, 1, 2]]
+        d.start(ctx, [Sampling()])
+        t0 = time.monotonic()
+        out = d.propose(ctx, [3], [Sampling()])
+        assert time.monotonic() - t0 < 2.5
+        assert d.stats.local_steps == 1 and out[0].tokens == [3, 1, 2]  # the n-gram's draft
+        assert any("TimeoutError" in f for f in d.stats.failures)
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def _edge_rows(rng, vocab, count):
+    """Draft rows summing to within a few 2^-40 of 1 -/+ 1e-3 (float32 values):
+    where a float sum and verify's exact sum of floor(q 2^40) can disagree."""
+    rows = []
+    for _ in range(count):
+        target_sum = 1.0 + rng.choice([-1e-3, 1e-3])
+        r = np.zeros(vocab, np.float32)
+        r[1:] = (rng.dirichlet(np.ones(vocab - 1)) * (target_sum - 1e-6)).astype(np.float32)
+        r[0] = np.float32(target_sum - r[1:].sum(dtype=np.float64))  # ~1e-6: fine steps
+        for _ in range(int(rng.integers(-400, 400))):
+            r[0] = np.nextafter(r[0], np.float32(1))
+        rows.append(r)
+    return rows
+
+
+def test_client_refuses_exactly_the_sums_verify_refuses():
+    """A dense q row the client lets through must not make verify raise (that would
+    end the generation, not the session): near both edges of the 1e-3 tolerance,
+    the client's check agrees with verify's on every row."""
+    import specfast as sf
+    from specfast.remote.client import _check_probs
+
+    vocab = 48
+    logits = np.zeros((3, vocab), np.float32)
+    logits[0, 0] = -np.inf  # node 0 drafts token 0: rejected, its residual formed whole
+    other = np.zeros(vocab, np.float32)
+    other[1] = 1.0
+    outcomes = set()
+    for row in _edge_rows(np.random.default_rng(7), vocab, 300):
+        q = np.stack([row, other])
+        try:
+            sf.verify(logits, np.array([0, 1]), np.array([2]), draft_probs=q,
+                      parents=np.array([-1, -1]), seed=3)
+            verify_ok = True
+        except ValueError:
+            verify_ok = False
+        try:
+            _check_probs(q)
+            client_ok = True
+        except RemoteError:
+            client_ok = False
+        assert client_ok == verify_ok, (row.sum(dtype=np.float64), verify_ok)
+        outcomes.add(verify_ok)
+    assert outcomes == {True, False}
+
+
+@pytest.mark.parametrize("payload", ["topk", "dense"])
+def test_a_draft_token_without_probability_falls_back(target, payload):
+    """A drafter whose probabilities put nothing on the token it drafted did not draw
+    it from them: verifying it would bias the output. The session ends, locally
+    drafted steps go on."""
+    vocab = target.vocab_size
+
+    def liar(step):
+        out = pb.Drafts(step=step.step)
+        for u in step.updates:
+            d = out.drafts.add(tokens=[0] * u.k)
+            if u.k and payload == "topk":
+                d.ids.extend([3, 1] * u.k)
+                d.probs = np.tile(np.array([1.0, 0.0], "<f4"), u.k).tobytes()
+            elif u.k:
+                q = np.zeros((u.k, vocab), "<f4")
+                q[:, 3] = 1.0
+                d.probs = q.tobytes()
+        yield pb.FromDrafter(drafts=out)
+
+    server, port = _fake_server(_Scripted(liar))
+    d = remote(port, target, payload=payload, top_k=2, retry=100.0)
+    try:
+        g = SpeculativeDecoder(target, d, k=2).generate(PROMPTS[0], 8, temperature=1.0,
+                                                       method="rejection", seed=2)
+        assert len(g.tokens) == 8 and d.stats.steps == 0 and d.stats.local_steps > 0
+        assert any("no probability" in f or "probability 0" in f for f in d.stats.failures)
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def _step(n, updates, keep=()):
+    st = pb.Step(step=n, keep=list(keep))
+    for append, k in updates:
+        st.updates.add(append=append, k=k)
+    return pb.ToDrafter(step=st)
+
+
+def test_model_drafter_served_survives_what_the_protocol_allows(draft_model):
+    """A step without keep (the protocol's 'no rollback') or with a keep past what the
+    drafter holds still gets drafts from a model drafter; a prompt id outside the
+    draft model's vocabulary is refused at hello, with what was wrong."""
+    server, port = serve(lambda: ModelDrafter(draft_model))
+    try:
+        h = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=draft_model.vocab_size)
+        for p in ([1, 2, 3], [4, 5, 6]):
+            h.requests.add(tokens=p, sampling=pb.Sampling())
+        for later in (_step(2, [([], 2), ([], 2)]),
+                      _step(2, [([], 2), ([], 2)], keep=[0, 5])):
+            replies = raw_session(port, [pb.ToDrafter(hello=h), _step(1, [([], 2), ([], 2)]),
+                                         later])
+            assert [r.WhichOneof("msg") for r in replies] == ["welcome", "drafts", "drafts"]
+            assert all(len(d.tokens) == 2 for d in replies[-1].drafts.drafts)
+        big = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=draft_model.vocab_size + 52)
+        big.requests.add(tokens=[1, draft_model.vocab_size + 12], sampling=pb.Sampling())
+        replies = raw_session(port, [pb.ToDrafter(hello=big), _step(1, [([], 2)])])
+        assert replies[-1].WhichOneof("msg") == "error"
+        assert "drafter's vocabulary" in replies[-1].error.message
+    finally:
+        server.stop(0)
+
+
+def test_a_failing_drafter_ends_its_session_with_an_error():
+    class Broken(NgramDrafter):
+        def propose(self, contexts, ks, sampling):
+            raise RuntimeError("out of memory")
+
+    server, port = serve(lambda: Broken())
+    try:
+        replies = raw_session(port, [hello(), _step(1, [([], 3)])])
+        assert replies[-1].WhichOneof("msg") == "error"
+        assert "drafter failed: RuntimeError: out of memory" in replies[-1].error.message
+    finally:
+        server.stop(0)
+
+
+def test_an_empty_token_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    with pytest.raises(ValueError, match="auth_token"):
+        serve(lambda: NgramDrafter(), auth_token="")
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    out = subprocess.run([sys.executable, "-m", "specfast.remote.serve_cli", "--port", "0",
+                          "--token-file", str(empty)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "holds no token" in out.stderr

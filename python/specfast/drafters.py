@@ -420,6 +420,11 @@ class ModelDrafter(Drafter):
         drafts = [Draft([], None) for _ in range(batch)]
         if not live:
             return drafts
+        # A row needs a token to feed for its next logits: one whose state holds
+        # its whole context (no rollback since the last draft) re-feeds the last.
+        if any(self._fed[i] >= len(contexts[i]) for i in live):
+            self.rollback([len(c) - 1 if k > 0 else f
+                           for c, k, f in zip(contexts, ks, self._fed)])
         # catch up: feed each live row the verified tokens it has not seen
         feed = [list(contexts[i][self._fed[i]:]) if ks[i] > 0 else [] for i in range(batch)]
         logits = m.forward(self._state, feed, all_logits=False)

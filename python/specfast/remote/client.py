@@ -105,9 +105,13 @@ class _Stream:
             return None
         return self._check(msg)
 
-    def receive(self):
+    def receive(self, deadline=None):
+        """The next message, waiting up to ``timeout`` s or until ``deadline``
+        (time.monotonic), whichever is sooner."""
+        wait = self.timeout if deadline is None else min(
+            self.timeout, max(0.0, deadline - time.monotonic()))
         try:
-            msg = self._in.get(timeout=self.timeout)
+            msg = self._in.get(timeout=wait)
         except queue.Empty:
             raise TimeoutError(f"no answer from the drafter within {self.timeout} s") from None
         return self._check(msg)
@@ -317,14 +321,15 @@ class RemoteDrafter(Drafter):
             self._stream.close()
             self._stream = None
 
-    def _collect(self, step, block, ahead=False):
+    def _collect(self, step, block, ahead=False, deadline=None):
         """Reads replies up to this step's drafts (``block``), or its look-ahead
         (``ahead``), or what has arrived; keeps the latest look-ahead. Returns
-        the step's drafts or None."""
+        the step's drafts or None. Stale replies do not extend the wait: it
+        ends at ``deadline`` (TimeoutError)."""
         while True:
             if ahead and self._ahead is not None and self._ahead.step == step:
                 return None
-            reply = self._stream.receive() if block or ahead else self._stream.poll()
+            reply = self._stream.receive(deadline) if block or ahead else self._stream.poll()
             if reply is None:
                 return None
             if reply.WhichOneof("msg") != "drafts":
@@ -365,12 +370,13 @@ class RemoteDrafter(Drafter):
 
     def _remote(self, contexts, ks):
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout  # the whole step's wait
         self._collect(self._step, block=False)
         ahead = None
         if self._select is None and self.lookahead and self._accepted_all(contexts, ks):
             # the look-ahead may serve: it is on its way (the drafter started it
             # before this step was sent, so a fresh request would wait for it too)
-            self._collect(self._step, block=False, ahead=True)
+            self._collect(self._step, block=False, ahead=True, deadline=deadline)
             ahead = self._hit(contexts, ks)
         self._step += 1
         step = pb.Step(step=self._step)
@@ -389,7 +395,7 @@ class RemoteDrafter(Drafter):
             drafts = ahead
             self.stats.ahead_hits += 1
         else:
-            reply = self._collect(self._step, block=True)
+            reply = self._collect(self._step, block=True, deadline=deadline)
             if len(reply.drafts) != len(ks):
                 raise RemoteError(f"{len(reply.drafts)} drafts for {len(ks)} requests")
             drafts = [self._decode(d, k) for d, k in zip(reply.drafts, ks)]
@@ -422,13 +428,18 @@ class RemoteDrafter(Drafter):
             _check_probs(vals.reshape(n, self.top_k))
             if _api._repeats(ids.reshape(n, self.top_k)):
                 raise RemoteError("a top-k draft that repeats a token id")
-            probs = _api.SparseProbs(ids.reshape(n, self.top_k), vals.reshape(n, self.top_k).copy())
+            ids, vals = ids.reshape(n, self.top_k), vals.reshape(n, self.top_k)
+            if not np.all(((ids == np.array(tokens)[:, None]) & (vals > 0)).any(axis=1)):
+                raise RemoteError("a top-k draft whose token has no probability in its row")
+            probs = _api.SparseProbs(ids, vals.copy())
         elif n and self.payload == "dense" and d.probs:
             vals = _floats(d.probs)
             if vals.size != n * self.vocab_size:
                 raise RemoteError("a dense draft of the wrong size")
             probs = vals.reshape(n, self.vocab_size).copy()
             _check_probs(probs)
+            if not np.all(probs[np.arange(n), tokens] > 0):
+                raise RemoteError("a dense draft whose token has probability 0")
         return Draft(tokens, probs, int(d.match), parents)
 
 
@@ -442,7 +453,12 @@ def _floats(buf):
 
 def _check_probs(rows):
     """Draft probabilities verify would refuse end the session (the fallback
-    drafts), not the generation: finite, in [0, 1.001], rows summing to 1."""
-    if not (np.all(rows >= 0) and np.all(rows <= 1.001)
-            and np.all(np.abs(rows.sum(axis=1, dtype=np.float64) - 1.0) <= 1e-3)):
-        raise RemoteError("draft probabilities outside [0, 1] or not summing to 1")
+    drafts), not the generation: finite, in [0, 1.001], rows summing to 1 as
+    verify sums them (dist.c's q_sum_off: floor(q 2^40) each, within 2^40 / 1000
+    of 2^40)."""
+    one = 1 << 40
+    if not (np.all(rows >= 0) and np.all(rows <= 1.001)):
+        raise RemoteError("draft probabilities outside [0, 1]")
+    mass = (rows * np.float32(one)).astype(np.uint64).sum(axis=1)
+    if not np.all((mass <= one + one // 1000) & (mass + one // 1000 >= one)):
+        raise RemoteError("draft probabilities not summing to 1 (within 1e-3)")

@@ -45,6 +45,8 @@ def run(args) -> int:
     if args.token_file:
         with open(args.token_file) as f:
             token = f.read().strip()
+        if not token:  # an empty token would be what every client sends by default
+            raise SystemExit(f"--token-file {args.token_file}: the file holds no token")
     tls = None
     if args.tls_cert:
         with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:

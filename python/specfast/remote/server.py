@@ -98,6 +98,9 @@ class _Session:
         if hello.lookahead > MAX_DRAFT:
             raise ProtocolError(f"hello: lookahead must be at most {MAX_DRAFT}")
         self.vocab = hello.vocab_size
+        # a model drafter reads ids of its own vocabulary only (its embedding)
+        model_vocab = getattr(getattr(drafter, "model", None), "vocab_size", None)
+        self.ids = min(self.vocab, model_vocab) if model_vocab else self.vocab
         self.lookahead = hello.lookahead
         self.last = []  # the drafts of the last step, for the look-ahead
         self.payload, self.top_k = hello.payload, hello.top_k
@@ -118,8 +121,9 @@ class _Session:
 
     def _tokens(self, tokens, what):
         t = list(tokens)
-        if t and (min(t) < 0 or max(t) >= self.vocab):
-            raise ProtocolError(f"{what}: token ids must be in [0, {self.vocab})")
+        if t and (min(t) < 0 or max(t) >= self.ids):
+            raise ProtocolError(f"{what}: token ids must be in [0, {self.ids})"
+                                + (" (the drafter's vocabulary)" if self.ids < self.vocab else ""))
         return t
 
     def advance(self, st):
@@ -239,6 +243,9 @@ class DrafterService(pb_grpc.DrafterServicer):
         except ProtocolError as e:
             log.warning("session refused: %s", e)
             yield pb.FromDrafter(error=pb.Error(message=str(e)))
+        except Exception as e:  # the drafter's own failure: the client drafts locally
+            log.exception("drafter failed")
+            yield pb.FromDrafter(error=pb.Error(message=f"drafter failed: {type(e).__name__}: {e}"))
 
 
 def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=None,
@@ -250,6 +257,8 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
     silent for ``idle`` seconds is closed (each holds one of ``workers``)."""
     import grpc
 
+    if auth_token is not None and not auth_token:
+        raise ValueError("auth_token must not be empty: every client sends '' by default")
     # Sessions beyond the workers are refused (RESOURCE_EXHAUSTED: the client
     # drafts locally), not queued behind sessions that may last minutes.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
