@@ -31,3 +31,12 @@ def test_every_subcommand_has_its_options(command):
 def test_unknown_command_is_a_usage_error():
     out = cli("frobnicate")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--top-p", "0"], "top_p=0.0"), (["--temperature", "-1"], "temperature=-1.0"),
+    (["--drafter", "ngram:x"], "'ngram:N' takes"),
+], ids=["top-p", "temperature", "ngram-spec"])
+def test_generate_refuses_bad_settings_before_loading_a_model(args, said):
+    out = cli("generate", "--prompt", "hi", "--target", "/nonexistent/model", *args)
+    assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr

@@ -421,16 +421,59 @@ def test_prompts_forms(target):
     (dict(max_new_tokens=2.5), TypeError), (dict(max_new_tokens=-1), ValueError),
     (dict(temperature=-0.5), ValueError), (dict(top_p=0.0), ValueError),
     (dict(temperature=10**400), ValueError), (dict(prompt=[1, 2, 48]), ValueError),
-    (dict(prompt=[-1, 2]), ValueError),
+    (dict(prompt=[-1, 2]), ValueError), (dict(top_p=1e-50), ValueError),
+    (dict(max_new_tokens=True), TypeError), (dict(stop=7), TypeError),
+    (dict(stop=b"7"), TypeError),
 ], ids=["seed-negative", "seed-big", "seed-float", "max-float", "max-negative",
-        "temperature", "top_p", "temperature-huge", "prompt-id", "prompt-negative"])
+        "temperature", "top_p", "temperature-huge", "prompt-id", "prompt-negative",
+        "top_p-0-in-float32", "max-bool", "stop-int", "stop-bytes"])
 def test_generate_rejects_bad_arguments_up_front(target, kw, error):
     """Checked before any forward, with the library's own rules (no OverflowError
     from a seed, no IndexError from the embedding, no silent int())."""
     dec = SpeculativeDecoder(target, NgramDrafter())
     kw = {"prompt": [1, 2, 3], "max_new_tokens": 2, "temperature": 1.0, **kw}
-    with pytest.raises(error):
-        dec.generate(kw.pop("prompt"), **kw)
+    forwards = []
+    forward = target.forward
+    target.forward = lambda *a, **k: forwards.append(1) or forward(*a, **k)
+    try:
+        with pytest.raises(error):
+            dec.generate(kw.pop("prompt"), **kw)
+    finally:
+        del target.forward
+    assert not forwards
+
+
+def test_numpy_arguments_act_as_python_ones(target):
+    """numpy ints in a batch's id prompts, a 0-d seed array, a numpy k: as their
+    Python values (a batch of numpy-int prompts was taken for chat messages)."""
+    dec = SpeculativeDecoder(target, NgramDrafter(), k=np.int64(3))
+    alone = dec.generate([1, 2, 3, 1, 2], 6, temperature=1.0, seed=5).tokens
+    ids = list(np.array([1, 2, 3, 1, 2]))
+    batch = dec.generate([ids, [4, 5]], 6, temperature=1.0, seed=np.array(5))
+    assert batch[0].tokens == alone and len(batch[1].tokens) == 6
+
+
+@pytest.mark.parametrize("drafter, k", [("model", 16), ("ngram", 40)])
+def test_a_fixed_draft_length_is_drafted_whole(target, draft_model, drafter, k):
+    """k fixed past the adaptive ceiling (max_k: 10 for a model, 32 for n-grams)
+    is what is drafted, not silently cut to it."""
+    d = ModelDrafter(draft_model) if drafter == "model" else NgramDrafter()
+    g = SpeculativeDecoder(target, d, k=k).generate(list(range(1, 6)) * 40, k + 3)
+    assert max(g.metrics.k_chosen) == k
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(target):
+    with pytest.raises(ValueError, match="vocabulary \\(40 ids\\) differs"):
+        SpeculativeDecoder(target, ModelDrafter(tiny_model(vocab=40, layers=1)))
+
+
+def test_memory_report_takes_each_size_alone(target):
+    dec = SpeculativeDecoder(target, NgramDrafter())
+    dec.generate([1, 2, 3], 4)
+    one = dec.memory_report()
+    assert dec.memory_report(batch=2)["estimate"]["target_kv"] == 2 * one["estimate"]["target_kv"]
+    wide = dec.memory_report(context=100)
+    assert wide["context"] == 100 and wide["batch"] == one["batch"]
 
 
 def test_draft_length_arguments():

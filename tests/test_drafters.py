@@ -82,6 +82,12 @@ def test_ngram_chain_resumes_its_source_after_the_target_skips_tokens():
     d.rollback([len(ctx)])
     resumed = d.propose([ctx], [3], [Sampling()])[0]
     assert resumed.tokens == [7, 8, 9] and resumed.match >= 2
+    # the first drafted token rejected: the decoder keeps old + 0 tokens of the
+    # draft, and the copy still resumes where the target's token is in the source
+    d.start([src + [50, 1, 2]], [Sampling()])
+    d.propose([src + [50, 1, 2]], [5], [Sampling()])
+    d.rollback([len(src) + 3])
+    assert d.propose([src + [50, 1, 2, 6]], [3], [Sampling()])[0].tokens == [7, 8, 9]
     # without the chain, (6,) matches one token back at 0 and 7: the earliest wins
     assert propose(NgramDrafter(), ctx, 3).tokens == [0, 1, 2]
     assert propose(NgramDrafter(resync=-1), ctx, 3).tokens == [0, 1, 2]
@@ -157,3 +163,11 @@ def test_ngram_rollback_forgets_rejected_tokens():
         nxt = ctx + rng.integers(0, 5, size=3).tolist()
         assert d.propose([nxt], [5], [Sampling()]) == fresh.propose([nxt], [5], [Sampling()])
         assert d._index[0] == fresh._index[0]
+
+
+@pytest.mark.parametrize("spec", ["ngram:x", "ngram:0", "ngram:"])
+def test_make_refuses_a_bad_ngram_spec(spec):
+    from specfast.drafters import make
+
+    with pytest.raises(ValueError, match="ngram:N"):
+        make(spec)

@@ -197,7 +197,8 @@ class DraftLength:
         for name, v in (("fixed", fixed), ("max_k", max_k)):
             if v is not None and (operator.index(v) < 0):
                 raise ValueError(f"DraftLength: {name} must be >= 0, got {v}")
-        self.fixed, self.max_k = fixed, max_k
+        # max_k bounds the adaptive length only: a fixed length is drafted whole
+        self.fixed, self.max_k = fixed, max_k if fixed is None else max(max_k, fixed)
         self.prior_first, self.prior_next = prior_first, prior_next
         self.prior_weight, self.decay = prior_weight, decay
         self.window = window
@@ -453,13 +454,18 @@ class SpeculativeDecoder:
         if getattr(drafter, "branches", 1) > 1 and not hasattr(target, "keep_paths"):
             raise ValueError(f"{type(target).__name__} verifies chains only: use a drafter "
                              f"with branches=1")
+        draft_vocab = getattr(getattr(drafter, "model", None), "vocab_size", None)
+        if draft_vocab is not None and draft_vocab != target.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_vocab} ids) differs from the "
+                             f"target's ({target.vocab_size}): they must share one tokenizer")
         if drafter is None:
             k = 0
-        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-            raise ValueError(f"k must be 'auto' or an int >= 0, got {k!r}")
+        if k != "auto" and (not isinstance(k, (int, np.integer)) or isinstance(k, bool)
+                            or not 0 <= k <= _api._MAX_DRAFT):
+            raise ValueError(f"k must be 'auto' or an int in [0, {_api._MAX_DRAFT}], got {k!r}")
         if max_k is None:
             max_k = 32 if getattr(drafter, "cheap", False) else 10
-        self.controller = DraftLength(None if k == "auto" else k, max_k, **controller)
+        self.controller = DraftLength(None if k == "auto" else int(k), max_k, **controller)
         self.last_metrics: Metrics | None = None
         self._peaks = {"target_kv": 0, "draft_kv": 0}
         self._shape = (1, 0)
@@ -494,9 +500,13 @@ class SpeculativeDecoder:
             Stop at the model's end-of-sequence tokens.
         """
         prompts, single = _as_batch(prompt)
+        if isinstance(seed, np.ndarray) and seed.ndim == 0:
+            seed = seed[()]  # one number
         seeds = list(seed) if isinstance(seed, (list, tuple, np.ndarray)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        if isinstance(max_new_tokens, (bool, np.bool_)):
+            raise TypeError("max_new_tokens must be an integer, got a bool")
         max_new = operator.index(max_new_tokens)
         if max_new < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
@@ -513,7 +523,8 @@ class SpeculativeDecoder:
         + overhead`` (logits of a step, and ~20% of the weights for the
         runtime's buffers), what a user plans with.
         """
-        batch, context = (batch, context) if batch else self._shape
+        batch = self._shape[0] if batch is None else batch
+        context = self._shape[1] if context is None else context
         t_params = self.target.param_bytes()
         d_mem = self.drafter.memory() if self.drafter is not None else {"params": 0}
         d_model = getattr(self.drafter, "model", None)
@@ -758,6 +769,8 @@ class SpeculativeDecoder:
 
 def _stops(stop) -> list:
     """The stop strings as a list: a str is one stop string, not its characters."""
+    if not (stop is None or isinstance(stop, (str, list, tuple))):
+        raise TypeError(f"stop must be a str, a list of str or None, got {type(stop).__name__}")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
     for s in stops:
         if not isinstance(s, str):
@@ -863,7 +876,7 @@ def _sampling(temperature, top_k, top_p, min_p, seed, method) -> Sampling:
         raise TypeError("generate: sampling parameters must be numbers (seed: one per prompt)")
     t, p, m = (_api._as_float(v, name) for v, name in
                ((t, "temperature"), (p, "top_p"), (m, "min_p")))
-    if not (0 <= t <= 1e30 and 0 < p <= 1 and 0 <= m <= 1 and 0 <= k < 1 << 31):
+    if _api._first_bad_param(dict(temperature=t, top_k=k, top_p=p, min_p=m)) is not None:
         raise ValueError(f"generate: {_api._PARAM_RULES}; got temperature={t}, top_k={k}, "
                          f"top_p={p}, min_p={m}")
     if not 0 <= s < 1 << 64:
@@ -882,7 +895,9 @@ def _as_batch(prompt):
             return [list(prompt)], True
         if not prompt:
             raise ValueError("no prompt")
-        return list(prompt), False
+        # each prompt as it would be alone (token ids of numpy ints included)
+        return [_as_batch(p)[0][0] if isinstance(p, (list, tuple)) and p else p
+                for p in prompt], False
     raise TypeError(f"prompt must be a string, token ids, chat messages or a list of these, "
                     f"got {type(prompt).__name__}")
 

@@ -235,8 +235,8 @@ class NgramDrafter(Drafter):
                         del index[key]
             del toks[keep:]
             self._indexed[i] = keep
-            if self._copy[i] is not None and n_keep <= self._copy[i][1]:
-                self._copy[i] = None  # its draft was never verified
+            if self._copy[i] is not None and n_keep < self._copy[i][1]:
+                self._copy[i] = None  # drafted after unverified tokens (a look-ahead)
 
     def lookup(self, i, ctx):
         """(end position of the chosen match, matched length), or (-1, 0)."""
@@ -646,7 +646,10 @@ def make(spec: str, target=None, *, branches: int = 1, **kwargs) -> Drafter:
     model path (folder or ``.gguf``) loaded with the HF adapter; ``branches > 1``
     drafts trees."""
     if is_ngram(spec):
-        n = int(spec.split(":", 1)[1]) if ":" in spec else 3
+        n = spec.split(":", 1)[1] if ":" in spec else "3"
+        if not n.isdigit() or int(n) < 1:
+            raise ValueError(f"drafter {spec!r}: 'ngram:N' takes a longest n-gram N >= 1")
+        n = int(n)
         return NgramDrafter(max_ngram=n, min_ngram=1, branches=branches)
     from .adapters import load
 

@@ -63,9 +63,15 @@ def run(args) -> int:
     import torch
 
     from .adapters.hf import HFModel, smollm2_path
-    from .decoder import SpeculativeDecoder
-    from .drafters import make
+    from .decoder import SpeculativeDecoder, _sampling
+    from .drafters import is_ngram, make
 
+    try:  # said before the model loads
+        _sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.method)
+        if is_ngram(args.drafter):
+            make(args.drafter)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"specfast generate: {e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prompt.count("-") > 1:
