@@ -884,20 +884,26 @@ def _sampling(temperature, top_k, top_p, min_p, seed, method) -> Sampling:
     return Sampling(t, k, p, m, s, method)
 
 
+def _ids(prompt):
+    """A prompt of token ids (numpy ints included) as a list of ints, else None."""
+    if prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+        return [int(t) for t in prompt]
+    return None
+
+
 def _as_batch(prompt):
     """(list of prompts, whether one prompt was given)."""
     if isinstance(prompt, str):
         return [prompt], True
     if isinstance(prompt, (list, tuple)):
-        if prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return [[int(t) for t in prompt]], True
+        if _ids(prompt) is not None:
+            return [_ids(prompt)], True
         if prompt and all(isinstance(m, dict) for m in prompt):
             return [list(prompt)], True
         if not prompt:
             raise ValueError("no prompt")
-        # each prompt as it would be alone (token ids of numpy ints included)
-        return [_as_batch(p)[0][0] if isinstance(p, (list, tuple)) and p else p
-                for p in prompt], False
+        # each prompt as it would be alone
+        return [(isinstance(p, (list, tuple)) and _ids(p)) or p for p in prompt], False
     raise TypeError(f"prompt must be a string, token ids, chat messages or a list of these, "
                     f"got {type(prompt).__name__}")
 
