@@ -89,9 +89,26 @@ def test_bars_are_the_five_cases_of_the_issue():
         "B1-K5-V49152-float32-rejection-none-none",
         "B256-K8-V32000-float32-rejection-dense-none",
     ]
-    verdicts = bench.check_bars([dict(x_floor=0.5, speedup_torch=40.0)] * 4
-                                + [dict(x_floor=1.5)])
+    rows = [dict(id=c.id, x_floor=0.5, speedup_torch=40.0) for c in cases[:4]]
+    rows.append(dict(id=cases[4].id, x_floor=1.5))
+    verdicts = bench.check_bars(rows)
     assert [ok for _n, ok, _t in verdicts] == [True, True, True, True, False]
+    # each bar reads the row of its own case: a skipped case's bar is not run
+    verdicts = bench.check_bars(rows[3:])
+    assert [ok for _n, ok, _t in verdicts] == [None, None, None, True, False]
+
+
+@pytest.mark.parametrize("case", [
+    bench.Case(2, 0, 1000), bench.Case(2, 0, 1000, method="coupled"),
+    bench.Case(3, 2, 5, draft="sparse"),
+], ids=["no-drafts", "no-drafts-coupled", "sparse-vocab-5"])
+def test_bench_edge_cases_run(case, monkeypatch):
+    """Every implementation runs (no drafts at all; a sparse q wider than the
+    vocabulary); with threads, the all-core floor is measured beside the one-thread one."""
+    monkeypatch.setattr(bench, "specfast_threads", lambda: 2)
+    row = bench.run_case(case, impls=IMPLS, repeats=1, min_time=0)
+    assert row["correct_specfast"] and row.get("correct_torch", True)
+    assert row["x_floor_all"] > 0 and row["time_numpy.max-all"] > 0
 
 
 def test_inputs_are_realistic():

@@ -64,9 +64,11 @@ def llama_generate(llm, ids, max_new, eos):
         llm.reset()
         out = []
         for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            if t in eos or len(out) == max_new:
+            if t in eos:
                 break
             out.append(t)
+            if len(out) == max_new:  # before the generator's next forward
+                break
         return out
     gen, dt = _timed(run)
     return {"tokens": gen, "seconds": dt}

@@ -189,7 +189,10 @@ def torch_verify(target_logits, draft_tokens, num_draft, *, draft_probs=None,
 
     if method == "coupled":
         # The exponential race: argmax p / E, E ~ Exp(1), per row (= Gumbel-max on log p).
-        noise = torch.empty_like(p).exponential_(generator=generator)
+        # E = -log U: on the CPU, Tensor.exponential_ draws on one thread, several
+        # times slower than the rest of this method; U > 0 so that E stays finite.
+        noise = torch.rand(p.shape, generator=generator, device=dev)
+        noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
         target = (p / noise).argmax(dim=-1)  # (B, K + 1)
         accept = (draft == target[:, :kmax]) & valid
         n_acc = accept.to(torch.int32).cumprod(dim=1).sum(dim=1)
@@ -199,7 +202,7 @@ def torch_verify(target_logits, draft_tokens, num_draft, *, draft_probs=None,
         if draft_probs is None:
             q_x = torch.ones_like(p_x)
         elif isinstance(draft_probs, torch.Tensor):
-            q3 = draft_probs.view(-1, kmax, vocab) if uniform else draft_probs[nidx]
+            q3 = draft_probs.view(batch, kmax, vocab) if uniform else draft_probs[nidx]
             q_x = q3.gather(-1, draft[..., None])[..., 0]
         else:
             ids, vals = (torch.as_tensor(a, device=dev) for a in draft_probs)
