@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 
 import numpy as np
 import pytest
@@ -439,33 +440,45 @@ def test_malformed_remote_probabilities_fall_back(target, repeat):
         server.stop(0)
 
 
-class _StrayByte(pb_grpc.DrafterServicer):
-    """A drafter (not ours) whose probabilities carry one byte too many."""
+class _Scripted(pb_grpc.DrafterServicer):
+    """A drafter (not ours) that answers each step with what ``reply(step)`` yields
+    (FromDrafter messages)."""
 
-    def __init__(self, payload):
-        self.payload = payload
+    def __init__(self, reply):
+        self.reply = reply
 
     def Session(self, messages, context):
         for m in messages:
             if m.WhichOneof("msg") == "hello":
-                yield pb.FromDrafter(welcome=pb.Welcome(version=1, drafter="stray"))
+                yield pb.FromDrafter(welcome=pb.Welcome(version=1, drafter="scripted"))
                 continue
-            out = pb.Drafts(step=m.step.step)
-            for u in m.step.updates:
-                d = out.drafts.add(tokens=[1] * u.k)
-                if u.k:
-                    d.ids.extend([1, 2, 3, 4] * u.k if self.payload == "topk" else [])
-                    d.probs = bytes(16 * u.k + 1)
-            yield pb.FromDrafter(drafts=out)
+            yield from self.reply(m.step)
+
+
+def _fake_server(servicer):
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_DrafterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def _stray_byte(payload):
+    """A drafter (not ours) whose probabilities carry one byte too many."""
+    def reply(step):
+        out = pb.Drafts(step=step.step)
+        for u in step.updates:
+            d = out.drafts.add(tokens=[1] * u.k)
+            if u.k:
+                d.ids.extend([1, 2, 3, 4] * u.k if payload == "topk" else [])
+                d.probs = bytes(16 * u.k + 1)
+        yield pb.FromDrafter(drafts=out)
+    return _Scripted(reply)
 
 
 @pytest.mark.parametrize("payload", ["topk", "dense"])
 def test_probabilities_of_a_stray_byte_fall_back(target, payload):
-    from concurrent import futures
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    pb_grpc.add_DrafterServicer_to_server(_StrayByte(payload), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = _fake_server(_stray_byte(payload))
     d = remote(port, target, payload=payload, top_k=4, retry=100.0)
     try:
         g = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[0], 8, temperature=1.0,
@@ -539,30 +552,6 @@ def test_serve_cli_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "specfast.remote.serve_cli", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--workers" in out.stdout and "--idle" in out.stdout
-
-
-class _Scripted(pb_grpc.DrafterServicer):
-    """A drafter (not ours) that answers each step with ``reply(step)``: a list of
-    FromDrafter messages."""
-
-    def __init__(self, reply):
-        self.reply = reply
-
-    def Session(self, messages, context):
-        for m in messages:
-            if m.WhichOneof("msg") == "hello":
-                yield pb.FromDrafter(welcome=pb.Welcome(version=1, drafter="scripted"))
-                continue
-            yield from self.reply(m.step)
-
-
-def _fake_server(servicer):
-    from concurrent import futures
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    pb_grpc.add_DrafterServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
 
 
 def test_stale_replies_do_not_extend_the_wait(target):
