@@ -79,7 +79,7 @@ def test_verify(benchmark, bench_inputs, case, impl):
     else:
         tokens, n = result.tokens.numpy(), result.num_accepted.numpy()
         correct = bench.check_result(inp, tokens, n)
-        nbytes = bench.bytes_read(impl, inp, None)
+        nbytes = bench.bytes_read(impl, inp, n)
         benchmark.extra_info["mean_accepted"] = float(np.mean(n))
     benchmark.extra_info["correct"] = bool(correct)
     benchmark.extra_info["bytes_read"] = int(nbytes)

@@ -336,16 +336,19 @@ def check_result(inp: Inputs, tokens, num_accepted) -> bool:
 def bytes_read(impl: str, inp: Inputs, num_accepted) -> int:
     """Bytes an implementation must read from memory (a model, not a counter).
 
-    numpy.max and torch read every target row (torch also all of a dense q); specfast reads
-    only the rows each request reaches (num_accepted + 1). The cases are chains, so a
-    rejection's residual is drawn by tries that read q at a few tokens; the whole q row
-    is read only where 16 tries keep no token, which is not counted.
+    numpy.max and torch read every target row (torch also, of a dense q, the row of each
+    rejection, for its residual); specfast reads only the rows each request reaches
+    (num_accepted + 1). The cases are chains, so specfast draws a rejection's residual by
+    tries that read q at a few tokens; the whole q row is read only where 16 tries keep
+    no token, which is not counted. q read at the drafted tokens is not counted either.
     """
     c = inp.case
     row = c.vocab * c.itemsize
-    if impl != "specfast":
-        q = inp.q_dense.nbytes if (impl == "torch" and inp.q_dense is not None) else 0
-        return c.rows * row + q
+    if impl == "numpy.max":
+        return c.rows * row
+    if impl == "torch":
+        rejected = int((np.asarray(num_accepted) < c.draft_len).sum())
+        return c.rows * row + (rejected * c.vocab * 4 if inp.q_dense is not None else 0)
     return int((np.asarray(num_accepted, np.int64) + 1).sum()) * row
 
 
@@ -392,7 +395,7 @@ def run_case(case: Case, impls=IMPLS, repeats=7, min_time=0.05, seed=0) -> dict:
         row["mean_accepted"] = float(np.mean(r.num_accepted))
         row["correct_specfast"] = check_result(inp, r.tokens, r.num_accepted)
     if "torch" in calls:
-        r = calls["torch"]()
+        r = first["torch"] = calls["torch"]()
         row["mean_accepted_torch"] = float(r.num_accepted.float().mean())
         row["correct_torch"] = check_result(inp, r.tokens.numpy(), r.num_accepted.numpy())
     threads = specfast_threads()
@@ -407,10 +410,7 @@ def run_case(case: Case, impls=IMPLS, repeats=7, min_time=0.05, seed=0) -> dict:
         row["x_floor_all"] = times["specfast"] / row["time_numpy.max-all"]
     for impl, t in times.items():
         row[f"time_{impl}"] = t
-        if impl == "specfast":
-            nb = bytes_read(impl, inp, first["specfast"].num_accepted)
-        else:
-            nb = bytes_read(impl, inp, None)
+        nb = bytes_read(impl, inp, first[impl].num_accepted if impl in first else None)
         row[f"bytes_{impl}"] = nb
         row[f"gbps_{impl}"] = nb / t / 1e9
     if "specfast" in times and "numpy.max" in times:
