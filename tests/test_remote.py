@@ -233,7 +233,19 @@ def test_slow_drafter_times_out_into_local_drafting(target):
         server.stop(0)
 
 
-def test_auth_token(target):
+def cli_drafter(target, address, *options):
+    """The RemoteDrafter that `specfast generate --drafter remote:ADDRESS ...` makes."""
+    import argparse
+
+    from specfast import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    args = parser.parse_args(["--prompt", "-", "--drafter", f"remote:{address}", *options])
+    return generate.remote_drafter(args, target.vocab_size)
+
+
+def test_auth_token(target, tmp_path):
     server, port = serve(lambda: NgramDrafter(), auth_token="s3cret")
     try:
         with pytest.raises(RemoteError, match="authentication"):
@@ -241,6 +253,11 @@ def test_auth_token(target):
         ok = remote(port, target, auth_token="s3cret")
         SpeculativeDecoder(target, ok, k=2).generate(PROMPTS[0], 8)
         assert ok.stats.steps > 0
+        token = tmp_path / "token"
+        token.write_text("s3cret\n")
+        cli = cli_drafter(target, f"127.0.0.1:{port}", "--token-file", str(token))
+        SpeculativeDecoder(target, cli, k=2).generate(PROMPTS[0], 8)
+        assert cli.stats.steps > 0 and not cli.stats.failures
     finally:
         server.stop(0)
 
@@ -372,6 +389,9 @@ def test_tls(target, tmp_path):
         out = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[0], 20)
         assert out.tokens == reference(target, PROMPTS[0], 20, temperature=0.0)
         assert d.stats.steps > 0 and not d.stats.failures
+        cli = cli_drafter(target, f"localhost:{port}", "--tls-ca", str(cert))
+        SpeculativeDecoder(target, cli, k=3).generate(PROMPTS[0], 8)
+        assert cli.stats.steps > 0 and not cli.stats.failures
         plain = remote(port, target, timeout=1.0)  # no TLS: no session, decodes locally
         SpeculativeDecoder(target, plain, k=3).generate(PROMPTS[0], 8)
         assert plain.stats.steps == 0 and plain.stats.failures

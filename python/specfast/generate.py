@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what a remote drafter sends per drafted token")
     parser.add_argument("--lookahead", type=int, default=8,
                         help="tokens a remote drafter drafts ahead while the target verifies")
+    parser.add_argument("--token-file", default=None,
+                        help="file holding the token a remote drafter requires")
+    parser.add_argument("--tls-ca", default=None, metavar="PEM",
+                        help="root certificate(s) to reach a remote drafter over TLS")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for a batch); '-' reads stdin")
     parser.add_argument("--raw", action="store_true", help="no chat template")
@@ -57,6 +61,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", action="store_true", help="print metrics as JSON")
+
+
+def remote_drafter(args, vocab_size):
+    """The RemoteDrafter that ``--drafter remote:HOST:PORT`` and its options name."""
+    from .remote import RemoteDrafter
+
+    token = tls = None
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            tls = f.read()
+    return RemoteDrafter(args.drafter[len("remote:"):], payload=args.payload,
+                         vocab_size=vocab_size, lookahead=args.lookahead,
+                         auth_token=token, tls=tls)
 
 
 def run(args) -> int:
@@ -79,10 +99,7 @@ def run(args) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
     target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
     if args.drafter.startswith("remote:"):
-        from .remote import RemoteDrafter
-
-        drafter = RemoteDrafter(args.drafter[len("remote:"):], payload=args.payload,
-                                vocab_size=target.vocab_size, lookahead=args.lookahead)
+        drafter = remote_drafter(args, target.vocab_size)
     else:
         drafter = None if args.drafter == "none" else \
             make(args.drafter, branches=args.tree, chat=not args.raw)
