@@ -568,3 +568,46 @@ def test_adapter_refuses_what_it_cannot_run_exactly():
     assert len(dec.generate(list(range(1, 21)), 13).tokens) == 13  # positions 0..31
     with pytest.raises(ValueError, match="32 positions"):
         dec.generate(list(range(1, 21)), 14)
+
+
+@pytest.mark.parametrize("family", ["gpt_neo", "bloom", "mpt", "falcon-alibi"])
+def test_adapter_refuses_positions_read_from_cache_slots(family):
+    """Models whose attention reads cache slots, not the position ids the adapter
+    gives (GPT-Neo's slot-indexed masks, ALiBi's slot distance), would get wrong
+    logits or crash once a cache has holes, padding or a tree: refused at load."""
+    small = dict(vocab_size=48, hidden_size=32, num_attention_heads=4)
+    model = {
+        "gpt_neo": lambda: transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+            **small, num_layers=2, attention_types=[[["global", "local"], 1]], window_size=4,
+            max_position_embeddings=64)),
+        "bloom": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+            vocab_size=48, hidden_size=32, n_layer=1, n_head=4)),
+        "mpt": lambda: transformers.MptForCausalLM(transformers.MptConfig(
+            vocab_size=48, d_model=32, n_layers=1, n_heads=4)),
+        "falcon-alibi": lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+            **small, num_hidden_layers=1, alibi=True)),
+    }[family]()
+    with pytest.raises(ValueError, match="is not supported"):
+        HFModel(model)
+
+
+def test_opt_positions_are_known_up_front():
+    opt = HFModel(transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=48, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4,
+        max_position_embeddings=32, word_embed_proj_dim=32)))
+    opt.eos_token_ids = []
+    assert opt.max_positions == 32
+    dec = SpeculativeDecoder(opt, NgramDrafter())
+    assert len(dec.generate(list(range(1, 21)), 13).tokens) == 13
+    with pytest.raises(ValueError, match="32 positions"):
+        dec.generate(list(range(1, 21)), 14)
+
+
+@pytest.mark.parametrize("prompt, error, said", [
+    ([1, None, 3], TypeError, "token ids must all be ints"),
+    ([1, "a"], TypeError, "token ids must all be ints"),
+    ([[1.5, 2.0]], TypeError, "a prompt must be"),
+], ids=["none-in-ids", "str-in-ids", "float-ids"])
+def test_malformed_prompts_are_clear_errors(target, prompt, error, said):
+    with pytest.raises(error, match=said):
+        SpeculativeDecoder(target, NgramDrafter()).generate(prompt, 2)

@@ -97,3 +97,8 @@ def test_text_prompt_stream_and_stop_as_the_readme_shows(smol):
     n = next(n for n in range(1, 25) if stop in smol.decode(plain.tokens[:n]))
     assert cut.tokens == plain.tokens[:n]
     assert "".join(pieces) == cut.text
+
+
+def test_messages_the_chat_template_cannot_render_are_a_value_error(smol):
+    with pytest.raises(ValueError, match="chat template cannot render"):
+        SpeculativeDecoder(smol, NgramDrafter()).generate([{"role": "user"}], 2)

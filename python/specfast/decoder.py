@@ -902,6 +902,9 @@ def _as_batch(prompt):
             return [list(prompt)], True
         if not prompt:
             raise ValueError("no prompt")
+        if any(isinstance(t, (int, np.integer)) for t in prompt):
+            kinds = sorted({type(t).__name__ for t in prompt})
+            raise TypeError(f"token ids must all be ints, got {', '.join(kinds)}")
         # each prompt as it would be alone
         return [(isinstance(p, (list, tuple)) and _ids(p)) or p for p in prompt], False
     raise TypeError(f"prompt must be a string, token ids, chat messages or a list of these, "

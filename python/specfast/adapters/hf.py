@@ -101,9 +101,22 @@ class HFModel:
             raise ValueError(f"{self.name}: cache layers {sorted(kinds)} (sliding-window or "
                              "recurrent attention) are not supported: the adapter rolls back "
                              "and masks a full-attention cache")
-        # Learned absolute positions (GPT-2's wpe) end at n_positions; rotary ones do not.
+        # Position schemes that read cache slots, not the position ids the adapter
+        # gives (its caches have holes, padding and tree branches).
+        why = {"gpt_neo": "its causal and local masks index cache slots",
+               "bloom": "ALiBi biases by slot distance", "mpt": "ALiBi biases by slot distance"}
+        model_type = getattr(cfg, "model_type", "")
+        if model_type in why or getattr(cfg, "alibi", False):
+            raise ValueError(f"{self.name}: {model_type} is not supported "
+                             f"({why.get(model_type, 'ALiBi biases by slot distance')})")
+        # Learned absolute positions (GPT-2's wpe, OPT's table past an offset of 2)
+        # end at the table's size; rotary ones do not.
         wpe = getattr(getattr(model, "transformer", None), "wpe", None)
-        self.max_positions = wpe.num_embeddings if wpe is not None else None
+        opt = getattr(getattr(getattr(model, "model", None), "decoder", None),
+                      "embed_positions", None)
+        self.max_positions = (wpe.num_embeddings if wpe is not None else
+                              opt.num_embeddings - getattr(opt, "offset", 0) if opt is not None
+                              else None)
         eos = []
         for src in (getattr(model, "generation_config", None), cfg, tokenizer):
             v = getattr(src, "eos_token_id", None) if src is not None else None
@@ -137,15 +150,24 @@ class HFModel:
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a string (chat-templated when the tokenizer has a
         template and ``chat`` is on), a list of chat messages, or a list of ids."""
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer))
+                                                     for t in prompt):
+            return [int(t) for t in prompt]
+        if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple))
+                and all(isinstance(m, dict) for m in prompt)):
+            raise TypeError("a prompt must be a string, a list of token ids or a list of chat "
+                            f"messages (dicts), got {_describe(prompt)}")
         tok = self.tokenizer
         if tok is None:
             raise ValueError("this adapter has no tokenizer: pass token ids")
         if isinstance(prompt, str) and not (self.chat and tok.chat_template):
             return list(tok(prompt)["input_ids"])
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own error (jinja's, transformers')
+            raise ValueError(f"the chat template cannot render these messages: "
+                             f"{type(e).__name__}: {e}") from e
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids) -> str:
@@ -386,6 +408,13 @@ class HFModel:
             layer.values = layer.values.gather(2, gather)
         state.pos = torch.where(valid, state.pos.gather(1, index), torch.full_like(index, -1))
         state.valid = valid
+
+
+def _describe(prompt) -> str:
+    if isinstance(prompt, (list, tuple)):
+        kinds = sorted({type(t).__name__ for t in prompt})
+        return f"a {type(prompt).__name__} of {', '.join(kinds)}"
+    return type(prompt).__name__
 
 
 def _quiet_transformers() -> None:
