@@ -611,3 +611,22 @@ def test_opt_positions_are_known_up_front():
 def test_malformed_prompts_are_clear_errors(target, prompt, error, said):
     with pytest.raises(error, match=said):
         SpeculativeDecoder(target, NgramDrafter()).generate(prompt, 2)
+
+
+def test_llama_cpp_select_renumbers_kept_rows_in_place():
+    """llama.cpp's rows are sequence ids renumbered by moving cells: kept rows in
+    ascending order each move down once; another order would merge two rows' caches,
+    so it is refused (llama-cpp-python itself is not needed to check this)."""
+    from types import SimpleNamespace
+
+    from specfast.adapters.llama_cpp import LlamaCppModel, LlamaCppState
+
+    calls = []
+    fake = SimpleNamespace(_seq_rm=lambda s, p: calls.append(("rm", s)),
+                           _seq_cp=lambda a, b: calls.append(("cp", a, b)))
+    state = LlamaCppState([5, 6, 7, 8])
+    LlamaCppModel.select(fake, state, [1, 3])
+    assert calls == [("rm", 0), ("rm", 2), ("cp", 1, 0), ("rm", 1), ("cp", 3, 1), ("rm", 3)]
+    assert state.lengths == [6, 8]
+    with pytest.raises(ValueError, match="ascending"):
+        LlamaCppModel.select(fake, LlamaCppState([5, 6]), [1, 0])

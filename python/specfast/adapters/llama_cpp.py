@@ -182,8 +182,12 @@ class LlamaCppModel:
         state.lengths = [min(a, b) for a, b in zip(state.lengths, lengths)]
 
     def select(self, state, rows) -> None:
-        """Keeps these rows: sequence ids are renumbered by moving their cells."""
+        """Keeps these rows, in ascending order (the decoder keeps the requests that
+        go on): sequence ids are renumbered in place by moving their cells, which a
+        reordering would merge."""
         rows = list(rows)
+        if any(a >= b for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"select: rows must be ascending, got {rows}")
         for b in range(len(state.lengths)):
             if b not in rows:
                 self._seq_rm(b, -1)
