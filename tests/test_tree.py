@@ -291,3 +291,42 @@ def test_kv_compact_edge_layouts():
     cache = torch.arange(2 * 10.0).reshape(2, 10, 1).requires_grad_()
     specfast.kv_compact(cache, [[1, 3], [0, -1]], [2, 1], [2, 4], seq_axis=1)
     assert cache[0, :6, 0].tolist() == [0, 1, 2, 4, 6, 5]
+
+
+def test_kv_compact_moves_bytes_of_any_dtype():
+    """Entries are moved as bytes: torch dtypes numpy lacks (float8) too."""
+    torch = pytest.importorskip("torch")
+    ref = torch.arange(2 * 10 * 4, dtype=torch.float32).reshape(2, 10, 4)
+    want = ref.clone()
+    specfast.kv_compact(want, [[1, 3], [0, -1]], [2, 1], [2, 4], seq_axis=1)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
+        cache = ref.to(dtype)
+        assert specfast.kv_compact(cache, [[1, 3], [0, -1]], [2, 1], [2, 4], seq_axis=1) is cache
+        assert torch.equal(cache.float(), want.to(dtype).float()), dtype
+
+
+def test_kv_compact_of_an_empty_batch_with_draft_width():
+    cache = np.zeros((0, 4, 16, 8), np.float32)
+    out = specfast.kv_compact(cache, np.zeros((0, 4), np.int32), np.zeros(0, np.int32),
+                              np.zeros(0, np.int64))
+    assert out is cache
+
+
+def test_kv_compact_refuses_overlapping_axes():
+    """An as_strided view whose request 1 slot s is request 0's slot s + 1: a move of
+    one request would write the other's entries. Refused, nothing moved."""
+    base = np.arange(12.0, dtype=np.float32)
+    view = np.lib.stride_tricks.as_strided(base, (2, 1, 10, 1), (4, 4, 4, 4), writeable=True)
+    with pytest.raises(ValueError, match="overlap"):
+        specfast.kv_compact(view, np.array([[2], [0]]), np.array([1, 0]), np.array([0, 0]),
+                            seq_axis=2)
+    np.testing.assert_array_equal(base, np.arange(12.0))
+
+
+def test_tree_mask_gives_torch_for_torch():
+    torch = pytest.importorskip("torch")
+    mask, pos = specfast.tree_mask(torch.tensor([-1, -1, 0]), torch.tensor([3]))
+    want_mask, want_pos = specfast.tree_mask(np.array([-1, -1, 0]), np.array([3]))
+    assert isinstance(mask, torch.Tensor) and isinstance(pos, torch.Tensor)
+    assert mask.dtype == torch.bool and np.array_equal(mask.numpy(), want_mask)
+    assert np.array_equal(pos.numpy(), want_pos)

@@ -681,7 +681,8 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def set_num_threads(n: int) -> None:
-    """Sets the threads of the pool: n >= 1, or 0 for one per core."""
+    """Sets the threads of the pool: n >= 1 (at most 256 are started), or 0 for one
+    per core."""
     n = operator.index(n)
     if not 0 <= n < 1 << 31:
         raise ValueError(f"set_num_threads: n must be in [0, 2^31), got {n}")

@@ -33,6 +33,7 @@ def tree_mask(parents, num_draft=None, *, packed=False):
         Without ``num_draft`` the batch axis is dropped.
     positions : ``(B, W)`` int32 depth of each token (root 0; add the root's
         absolute position), -1 past a request's tokens.
+    Both are torch tensors when ``parents`` or ``num_draft`` is one.
 
     Examples
     --------
@@ -68,6 +69,8 @@ def tree_mask(parents, num_draft=None, *, packed=False):
     check(status, "specfast.tree_mask", err.index)
     if not packed:
         mask = mask.view(np.bool_)
+    if _is_torch(parents) or _is_torch(num_draft):
+        mask, positions = _torch().from_numpy(mask), _torch().from_numpy(positions)
     if single:
         return mask[0], positions[0]
     return mask, positions
@@ -112,16 +115,25 @@ def _axes(ndim, batch_axis, seq_axis):
     return axes
 
 
-def _refuse_aliases(shape, strides):
-    """A stride-0 axis (a broadcast or expanded view) would have one request's
-    move overwrite another's: refused, as torch refuses in-place writes there.
-    An empty cache has nothing to share (numpy gives it any strides)."""
+def _refuse_aliases(shape, strides, itemsize=1):
+    """Entries that share memory (a stride-0 axis: a broadcast or expanded view;
+    or axes whose strides overlap, as an as_strided view may) would have one
+    request's move overwrite another's: refused, as torch refuses in-place writes
+    there. The test is the usual sufficient one: sorted by stride, each axis steps
+    past all that the smaller ones span (every view of one buffer passes). An
+    empty cache has nothing to share (numpy gives it any strides)."""
     if 0 in tuple(shape):
         return
     for ax, (n, s) in enumerate(zip(shape, strides)):
         if n > 1 and s == 0:
             raise ValueError(f"kv_compact: axis {ax} of the cache has stride 0 (a broadcast or "
                              "expanded view), so its entries share memory; pass a copy")
+    span = itemsize
+    for s, n in sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1):
+        if s < span:
+            raise ValueError("kv_compact: the cache's axes overlap in memory (its entries "
+                             "share bytes); pass a copy")
+        span += s * (n - 1)
 
 
 def _merge(shape, strides, axes, name):
@@ -148,11 +160,14 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
 
     Parameters
     ----------
-    cache : numpy array or torch CPU tensor, float32/float16/bfloat16 (any dtype)
+    cache : numpy array or torch tensor of any dtype (its entries are moved as bytes)
         Any layout with a batch axis before a sequence axis, whose axes after
         the sequence axis are contiguous, e.g. ``(batch, heads, seq, head_dim)``
-        or ``(layers, 2, batch, heads, seq, head_dim)``. Modified in place;
-        a broadcast or expanded view (an axis with stride 0) is refused.
+        or ``(layers, 2, batch, heads, seq, head_dim)``; on the CPU the axes
+        before the batch axis, and those between it and the sequence axis, must
+        each merge into one stride (as in a view of one buffer that keeps their
+        order), else ValueError. Modified in place; a broadcast or expanded view
+        (an axis with stride 0) is refused.
     accepted_nodes : int array ``(B, max_draft)``, ``num_accepted`` ``(B,)``
         As :func:`specfast.verify` returns them.
     root_slot : int array ``(B,)`` or int
@@ -172,7 +187,15 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
             _refuse_aliases(cache.shape, cache.stride())
             return _kv_compact_torch(cache, nodes, acc, roots, ba, sa)
         t = cache.detach()  # the same memory: moved in place, outside autograd
-        arr = t.view(_torch().int16).numpy() if t.dtype == _torch().bfloat16 else t.numpy()
+        # bytes are bytes: dtypes numpy lacks (bfloat16, float8, ...) as integers
+        # of their size
+        ints = {1: _torch().uint8, 2: _torch().int16, 4: _torch().int32, 8: _torch().int64}
+        try:
+            arr = t.numpy()
+        except TypeError:
+            if t.element_size() not in ints:
+                raise
+            arr = t.view(ints[t.element_size()]).numpy()
     else:
         arr = cache
     if not isinstance(arr, np.ndarray):
@@ -194,7 +217,7 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
         raise ValueError("kv_compact: the axes after the sequence axis must be contiguous")
     if not arr.flags.writeable:
         raise ValueError("kv_compact: the cache is read-only")
-    _refuse_aliases(arr.shape, arr.strides)
+    _refuse_aliases(arr.shape, arr.strides, arr.itemsize)
     n_outer, outer_stride = _merge(arr.shape, arr.strides, list(range(ba)), "leading")
     n_inner, inner_stride = _merge(arr.shape, arr.strides, list(range(ba + 1, sa)), "middle")
     c = ffi.new("sf_kv_cache *")
@@ -206,7 +229,7 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     c.row_bytes = row_count * arr.itemsize
     err = ffi.new("sf_error *")
     status = lib().sf_kv_compact(c, _ptr("int32_t *", nodes) if nodes.size else ffi.NULL,
-                                 _ptr("int32_t *", acc), nodes.shape[1],
+                                 _ptr("int32_t *", acc), nodes.shape[1] if nodes.size else 0,
                                  _ptr("int64_t *", roots), err)
     check(status, "specfast.kv_compact", err.index,
           "accepted nodes must increase along the path and stay inside the cache")
