@@ -40,3 +40,52 @@ def test_unknown_command_is_a_usage_error():
 def test_generate_refuses_bad_settings_before_loading_a_model(args, said):
     out = cli("generate", "--prompt", "hi", "--target", "/nonexistent/model", *args)
     assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command, args, said", [
+    ("generate", ["--drafter", "remote:127.0.0.1:1", "--token-file", "/nonexistent/t"],
+     "--token-file /nonexistent/t: No such file"),
+    ("generate", ["--drafter", "remote:nonsense"], "give remote:HOST:PORT"),
+    ("generate", ["--drafter", "/nonexistent/draft.gguf"], "no such draft model"),
+    ("generate", ["--lookahead", "-1"], "argument --lookahead"),
+    ("generate", ["--threads", "-1"], "argument --threads"),
+    ("serve-drafter", ["--port", "99999"], "argument --port"),
+    ("serve-drafter", ["--idle", "-1"], "argument --idle"),
+    ("serve-drafter", ["--workers", "0"], "argument --workers"),
+    ("serve-drafter", ["--tree", "0"], "argument --tree"),
+    ("serve-drafter", ["--token-file", "/nonexistent/t"], "No such file"),
+    ("serve-drafter", ["--drafter", "/nonexistent/draft.gguf"], "no such draft model"),
+    ("demo", ["--threads", "-1"], "argument --threads"),
+    ("demo", ["--max-new-tokens", "0"], "argument --max-new-tokens"),
+    ("demo", ["--workloads", "chat-tips", "nosuch"], "no built-in workload named ['nosuch']"),
+    ("demo", ["--target", "/nonexistent/model"], "no such model"),
+    ("bench", ["--batch", "0"], "argument --batch"),
+    ("bench", ["--repeats", "0"], "argument --repeats"),
+    ("bench", ["--json", "/nonexistent/dir/x.json"], "cannot write"),
+])
+def test_bad_options_are_said_before_any_work(command, args, said):
+    """A clear message and a non-zero exit, before a model loads (the target given
+    does not exist, so loading it would fail otherwise) or a server starts."""
+    extra = ["--prompt", "hi", "--target", "/nonexistent/model"] if command == "generate" else []
+    out = cli(command, *extra, *args)
+    assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_generate_refuses_an_empty_prompt_from_stdin():
+    out = subprocess.run([sys.executable, "-m", "specfast.cli", "generate", "--prompt", "-",
+                          "--target", "/nonexistent/model"], input="  \n",
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "a prompt is empty (stdin)" in out.stderr
+
+
+def test_serve_drafter_refuses_a_port_in_use():
+    pytest.importorskip("grpc")
+    from specfast.drafters import NgramDrafter
+    from specfast.remote import serve
+
+    server, port = serve(lambda: NgramDrafter())
+    try:
+        out = cli("serve-drafter", "--port", str(port))
+        assert out.returncode != 0 and f"cannot serve on 127.0.0.1:{port}" in out.stderr
+    finally:
+        server.stop(0)

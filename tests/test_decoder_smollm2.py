@@ -102,3 +102,18 @@ def test_text_prompt_stream_and_stop_as_the_readme_shows(smol):
 def test_messages_the_chat_template_cannot_render_are_a_value_error(smol):
     with pytest.raises(ValueError, match="chat template cannot render"):
         SpeculativeDecoder(smol, NgramDrafter()).generate([{"role": "user"}], 2)
+
+
+def test_generate_json_is_the_only_output(smol, monkeypatch, capsys):
+    """`specfast generate --json` prints one JSON document: each request's text with
+    its metrics (the streamed text and the summary stay out of it)."""
+    import json
+
+    from specfast.cli import main
+
+    monkeypatch.setattr(HFModel, "from_pretrained", classmethod(lambda cls, *a, **k: smol))
+    assert main(["generate", "--prompt", "Say hi.", "--prompt", "Count to 3.", "--json",
+                 "--max-new-tokens", "6"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [len(smol.encode(r["text"])) > 0 for r in doc["requests"]] == [True, True]
+    assert all(0 < r["tokens"] <= 6 for r in doc["requests"]) and "batch" in doc

@@ -38,6 +38,8 @@ from typing import Callable
 
 import numpy as np
 
+from .cli import count
+
 # ---------------------------------------------------------------------------------------
 # Cases
 # ---------------------------------------------------------------------------------------
@@ -556,10 +558,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--bars", action="store_true",
       help="run exactly the five bar cases and print pass/fail (exit status stays 0)")
     a("--full", action="store_true", help="the whole grid of issue 3 (long)")
-    a("--batch", type=int, nargs="+", default=[1, 16, 64], metavar="B", help="requests")
-    a("--draft-len", type=int, nargs="+", default=[4], metavar="K",
+    a("--batch", type=count(1), nargs="+", default=[1, 16, 64], metavar="B", help="requests")
+    a("--draft-len", type=count(0, 1024), nargs="+", default=[4], metavar="K",
       help="draft tokens per request")
-    a("--vocab", type=int, nargs="+", default=[32000, 151936], metavar="V", help="vocabulary")
+    a("--vocab", type=count(1), nargs="+", default=[32000, 151936], metavar="V",
+      help="vocabulary")
     a("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
       help="of the target logits")
     a("--method", nargs="+", default=["rejection"], choices=["rejection", "coupled"])
@@ -570,16 +573,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--source", nargs="+", default=["correlated"], choices=["correlated", "independent"],
       help="the drafter: correlated with the target, or independent of it")
     a("--impl", nargs="+", default=list(IMPLS), choices=list(IMPLS))
-    a("--repeats", type=int, default=7, help="samples per implementation (median)")
-    a("--min-time", type=float, default=0.05,
+    a("--repeats", type=count(1), default=7, help="samples per implementation (median)")
+    a("--min-time", type=_non_negative, default=0.05,
       help="seconds per sample; short calls are looped")
-    a("--threads", type=int, default=None, help="specfast threads (default: all cores)")
-    a("--torch-threads", type=int, default=None, help="torch threads (default: torch's)")
+    a("--threads", type=count(0), default=None,
+      help="specfast threads (default and 0: one per core)")
+    a("--torch-threads", type=count(1), default=None, help="torch threads (default: torch's)")
     a("--max-gb", type=float, default=MAX_GB, help="skip cases with larger inputs")
     a("--seed", type=int, default=0, help="of the synthetic inputs")
     a("--json", metavar="PATH", help="save the table (and the machine) as JSON")
     a("--plot", metavar="PATH", help="save a PNG of time against batch size")
     a("--no-progress", action="store_true", help="no progress bar")
+
+
+def _non_negative(text):
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"{x} is below 0")
+    return x
 
 
 def _cases(args) -> list:
@@ -606,6 +620,10 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.access(folder, os.W_OK):  # said before the timings, not after
+            raise SystemExit(f"{option} {path}: cannot write in {folder}")
     cases = _cases(args)
     skipped = [c for c in cases if c.input_bytes > args.max_gb * 1e9]
     cases = [c for c in cases if c.input_bytes <= args.max_gb * 1e9]

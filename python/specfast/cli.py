@@ -20,6 +20,40 @@ _COMMANDS = {
 }
 
 
+def count(low, high=None):
+    """An argparse type: an int in [low, high]."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(
+                f"{n} is outside [{low}, {high}]" if high is not None else f"{n} is below {low}")
+        return n
+    return parse
+
+
+def seconds(text):
+    """An argparse type: a number of seconds > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"{x} is not above 0")
+    return x
+
+
+def read_file(path, option, binary=False):
+    """The contents of an option's file, or SystemExit saying why it cannot be read."""
+    try:
+        with open(path, "rb" if binary else "r") as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"{option} {path}: {e.strerror or e}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     pass
 

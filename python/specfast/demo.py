@@ -10,8 +10,11 @@ acceptance and whether both outputs are identical.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+from .cli import count
 
 _DEFAULT = ["code-rewrite-rgb", "code-rewrite-dedent", "chat-tips"]
 _QUICK = ["code-rewrite-rgb", "chat-tips"]
@@ -21,10 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="two short prompts (~30 s)")
     parser.add_argument("--workloads", nargs="*", default=None,
                         help=f"built-in workload names (default: {' '.join(_DEFAULT)})")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
+    parser.add_argument("--max-new-tokens", type=count(1), default=None,
                         help="cap per prompt (default 96, --quick 48)")
     parser.add_argument("--target", default=None, help="model folder or .gguf (default: embedded)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=count(0), default=0,
+                        help="torch threads (0: torch's default)")
     parser.add_argument("--no-stream", action="store_true", help="do not print the generated text")
 
 
@@ -48,13 +52,18 @@ def run(args) -> int:
     except FileNotFoundError as exc:
         print(f"specfast demo: {exc}", file=sys.stderr)
         return 2
+    if args.target and not os.path.exists(args.target):
+        print(f"specfast demo: --target {args.target}: no such model folder or file",
+              file=sys.stderr)
+        return 2
     names = args.workloads or (_QUICK if args.quick else _DEFAULT)
     rows = workloads.load(names=names)
-    if not rows:
-        print(f"no built-in workload named {names}; have "
+    unknown = sorted(set(names) - {w["name"] for w in rows})
+    if unknown:
+        print(f"specfast demo: no built-in workload named {unknown}; have "
               f"{[w['name'] for w in workloads.load()]}", file=sys.stderr)
         return 2
-    cap = args.max_new_tokens or (48 if args.quick else 96)
+    cap = args.max_new_tokens if args.max_new_tokens is not None else (48 if args.quick else 96)
     print(f"loading {path} ...", flush=True)
     t = time.perf_counter()
     target = HFModel.from_pretrained(path)

@@ -10,20 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-
-def _count(low):
-    """An argparse type: an int >= low."""
-    def parse(text):
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"{n} is below {low}")
-        return n
-    return parse
+from .cli import count as _count
+from .cli import read_file
 
 
 def _draft_length(text):
@@ -38,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'remote:HOST:PORT' (a specfast serve-drafter)")
     parser.add_argument("--payload", choices=["tokens", "topk", "dense"], default="tokens",
                         help="what a remote drafter sends per drafted token")
-    parser.add_argument("--lookahead", type=int, default=8,
+    parser.add_argument("--lookahead", type=_count(0, 1024), default=8,
                         help="tokens a remote drafter drafts ahead while the target verifies")
     parser.add_argument("--token-file", default=None,
                         help="file holding the token a remote drafter requires")
@@ -59,21 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--method", choices=["coupled", "rejection"], default="coupled")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    parser.add_argument("--json", action="store_true", help="print metrics as JSON")
+    parser.add_argument("--threads", type=_count(0), default=0, help="torch threads (0: default)")
+    parser.add_argument("--json", action="store_true",
+                        help="print texts and metrics as JSON only (no streamed text)")
 
 
 def remote_drafter(args, vocab_size):
     """The RemoteDrafter that ``--drafter remote:HOST:PORT`` and its options name."""
     from .remote import RemoteDrafter
 
-    token = tls = None
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            tls = f.read()
+    token = read_file(args.token_file, "--token-file").strip() if args.token_file else None
+    tls = read_file(args.tls_ca, "--tls-ca", binary=True) if args.tls_ca else None
     return RemoteDrafter(args.drafter[len("remote:"):], payload=args.payload,
                          vocab_size=vocab_size, lookahead=args.lookahead,
                          auth_token=token, tls=tls)
@@ -86,19 +73,34 @@ def run(args) -> int:
     from .decoder import SpeculativeDecoder, _sampling
     from .drafters import is_ngram, make
 
+    remote = args.drafter.startswith("remote:")
     try:  # said before the model loads
         _sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.method)
         if is_ngram(args.drafter):
             make(args.drafter)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"specfast generate: {e}") from None
+    refused = ()  # exceptions of a remote drafter that refuses the session
+    if remote:
+        from .remote import RemoteError
+
+        refused = (RemoteError,)
+        host, _, port = args.drafter[len("remote:"):].rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SystemExit(f"--drafter {args.drafter}: give remote:HOST:PORT")
+        remote_drafter(args, 1).close()  # its files read before the model loads
+    elif not (is_ngram(args.drafter) or args.drafter == "none"
+              or os.path.exists(args.drafter)):
+        raise SystemExit(f"--drafter {args.drafter}: no such draft model folder or file")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prompt.count("-") > 1:
         raise SystemExit("--prompt -: stdin can be read once")
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
+    if not all(p.strip() for p in prompts):
+        raise SystemExit("--prompt: a prompt is empty" + (" (stdin)" if "-" in args.prompt else ""))
     target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
-    if args.drafter.startswith("remote:"):
+    if remote:
         drafter = remote_drafter(args, target.vocab_size)
     else:
         drafter = None if args.drafter == "none" else \
@@ -107,24 +109,28 @@ def run(args) -> int:
     single = len(prompts) == 1
 
     def stream(i, toks, text):
-        if single:
+        if single and not args.json:
             print(text, end="", flush=True)
 
-    out = dec.generate(prompts if not single else prompts[0], args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       min_p=args.min_p, seed=args.seed, method=args.method,
-                       stream=stream, stop=args.stop)
+    try:
+        out = dec.generate(prompts if not single else prompts[0], args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           min_p=args.min_p, seed=args.seed, method=args.method,
+                           stream=stream, stop=args.stop)
+    except refused as e:  # refused at connect: a wrong token, version or payload
+        raise SystemExit(f"specfast generate: the remote drafter refused the session: {e}") \
+            from None
     outs = [out] if single else out
+    total = dec.last_metrics
+    if args.json:
+        print(json.dumps({"requests": [dict(text=g.text, **g.metrics.as_dict()) for g in outs],
+                          "batch": total.as_dict(), "memory": dec.memory_report()},
+                         default=str, indent=1))
+        return 0
     if single:
         print()
     else:
         for i, g in enumerate(outs):
             print(f"--- [{i}] ---\n{g.text}")
-    total = dec.last_metrics
-    if args.json:
-        print(json.dumps({"requests": [g.metrics.as_dict() for g in outs],
-                          "batch": total.as_dict(), "memory": dec.memory_report()},
-                         default=str, indent=1))
-    else:
-        print(total.summary(), file=sys.stderr)
+    print(total.summary(), file=sys.stderr)
     return 0

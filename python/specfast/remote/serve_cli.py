@@ -11,23 +11,26 @@ import os
 import signal
 import sys
 
+from ..cli import count, read_file, seconds
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="ngram",
                         help="'ngram', 'ngram:N' or a draft model folder/.gguf")
-    parser.add_argument("--tree", type=int, default=1, metavar="N",
+    parser.add_argument("--tree", type=count(1), default=1, metavar="N",
                         help="draft token trees of N branches per node (1: chains)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default loopback only; 0.0.0.0 for the LAN)")
-    parser.add_argument("--port", type=int, default=50061)
+    parser.add_argument("--port", type=count(0, 65535), default=50061,
+                        help="0: any free port (the one bound is printed)")
     parser.add_argument("--token-file", default=None,
                         help="file holding a shared token every client must send")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate (enables TLS)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    parser.add_argument("--workers", type=int, default=8,
+    parser.add_argument("--threads", type=count(0), default=0, help="torch threads (0: default)")
+    parser.add_argument("--workers", type=count(1), default=8,
                         help="sessions served at once; more are refused, not queued")
-    parser.add_argument("--idle", type=float, default=600.0,
+    parser.add_argument("--idle", type=seconds, default=600.0,
                         help="seconds a silent session is kept before it is closed")
 
 
@@ -43,14 +46,20 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     token = None
     if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
+        token = read_file(args.token_file, "--token-file").strip()
         if not token:  # an empty token would be what every client sends by default
             raise SystemExit(f"--token-file {args.token_file}: the file holds no token")
     tls = None
     if args.tls_cert:
-        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
-            tls = (c.read(), k.read())
+        tls = (read_file(args.tls_cert, "--tls-cert", binary=True),
+               read_file(args.tls_key, "--tls-key", binary=True))
+    if is_ngram(args.drafter):
+        try:
+            make(args.drafter)
+        except ValueError as e:
+            raise SystemExit(f"--drafter: {e}") from None
+    elif not os.path.exists(args.drafter):
+        raise SystemExit(f"--drafter {args.drafter}: no such draft model folder or file")
     model = None
     if not is_ngram(args.drafter):
         from ..adapters import load
@@ -64,8 +73,12 @@ def run(args) -> int:
 
         return ModelDrafter(model, branches=args.tree)
 
-    server, port = serve(make_drafter, args.host, args.port, auth_token=token, tls=tls,
-                         workers=args.workers, idle=args.idle)
+    try:
+        server, port = serve(make_drafter, args.host, args.port, auth_token=token, tls=tls,
+                             workers=args.workers, idle=args.idle)
+    except (OSError, RuntimeError) as e:  # grpc: a bad address, a port in use, bad PEM
+        raise SystemExit(f"cannot serve on {args.host}:{args.port}"
+                         f"{' with this TLS certificate and key' if tls else ''}: {e}") from None
     print(f"specfast drafter ({make_drafter().name}) on {args.host}:{port}"
           f"{' with TLS' if tls else ''}{', token required' if token else ''} (pid {os.getpid()})",
           flush=True)

@@ -264,7 +264,8 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          maximum_concurrent_rpcs=workers, options=[
         ("grpc.max_receive_message_length", max_message),
-        ("grpc.max_send_message_length", max_message)])
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.so_reuseport", 0)])  # a port in use is an error, not a second server
     pb_grpc.add_DrafterServicer_to_server(DrafterService(make_drafter, auth_token, idle), server)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is not None:
