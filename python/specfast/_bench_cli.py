@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from .cli import count
+from .cli import count, number
 
 # ---------------------------------------------------------------------------------------
 # Cases
@@ -574,7 +574,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="the drafter: correlated with the target, or independent of it")
     a("--impl", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     a("--repeats", type=count(1), default=7, help="samples per implementation (median)")
-    a("--min-time", type=_non_negative, default=0.05,
+    a("--min-time", type=number(0), default=0.05,
       help="seconds per sample; short calls are looped")
     a("--threads", type=count(0), default=None,
       help="specfast threads (default and 0: one per core)")
@@ -584,16 +584,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--json", metavar="PATH", help="save the table (and the machine) as JSON")
     a("--plot", metavar="PATH", help="save a PNG of time against batch size")
     a("--no-progress", action="store_true", help="no progress bar")
-
-
-def _non_negative(text):
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"{x} is below 0")
-    return x
 
 
 def _cases(args) -> list:

@@ -34,15 +34,18 @@ def count(low, high=None):
     return parse
 
 
-def seconds(text):
-    """An argparse type: a number of seconds > 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"{x} is not above 0")
-    return x
+def number(low, strict=False):
+    """An argparse type: a float >= low (> low when strict)."""
+    def parse(text):
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (x > low if strict else x >= low):
+            raise argparse.ArgumentTypeError(
+                f"{x} is not above {low:g}" if strict else f"{x} is below {low:g}")
+        return x
+    return parse
 
 
 def read_file(path, option, binary=False):

@@ -896,8 +896,9 @@ def _as_batch(prompt):
     if isinstance(prompt, str):
         return [prompt], True
     if isinstance(prompt, (list, tuple)):
-        if _ids(prompt) is not None:
-            return [_ids(prompt)], True
+        ids = _ids(prompt)
+        if ids is not None:
+            return [ids], True
         if prompt and all(isinstance(m, dict) for m in prompt):
             return [list(prompt)], True
         if not prompt:

@@ -55,15 +55,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print texts and metrics as JSON only (no streamed text)")
 
 
+def remote_options(args) -> dict:
+    """RemoteDrafter's arguments from ``--drafter remote:HOST:PORT`` and its options
+    (the address checked, the token and certificate files read), less the vocabulary."""
+    address = args.drafter[len("remote:"):]
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SystemExit(f"--drafter {args.drafter}: give remote:HOST:PORT")
+    token = read_file(args.token_file, "--token-file").strip() if args.token_file else None
+    tls = read_file(args.tls_ca, "--tls-ca", binary=True) if args.tls_ca else None
+    return dict(address=address, payload=args.payload, lookahead=args.lookahead,
+                auth_token=token, tls=tls)
+
+
 def remote_drafter(args, vocab_size):
     """The RemoteDrafter that ``--drafter remote:HOST:PORT`` and its options name."""
     from .remote import RemoteDrafter
 
-    token = read_file(args.token_file, "--token-file").strip() if args.token_file else None
-    tls = read_file(args.tls_ca, "--tls-ca", binary=True) if args.tls_ca else None
-    return RemoteDrafter(args.drafter[len("remote:"):], payload=args.payload,
-                         vocab_size=vocab_size, lookahead=args.lookahead,
-                         auth_token=token, tls=tls)
+    return RemoteDrafter(vocab_size=vocab_size, **remote_options(args))
 
 
 def run(args) -> int:
@@ -82,13 +91,10 @@ def run(args) -> int:
         raise SystemExit(f"specfast generate: {e}") from None
     refused = ()  # exceptions of a remote drafter that refuses the session
     if remote:
-        from .remote import RemoteError
+        from .remote import RemoteDrafter, RemoteError
 
         refused = (RemoteError,)
-        host, _, port = args.drafter[len("remote:"):].rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise SystemExit(f"--drafter {args.drafter}: give remote:HOST:PORT")
-        remote_drafter(args, 1).close()  # its files read before the model loads
+        options = remote_options(args)  # before the model loads
     elif not (is_ngram(args.drafter) or args.drafter == "none"
               or os.path.exists(args.drafter)):
         raise SystemExit(f"--drafter {args.drafter}: no such draft model folder or file")
@@ -101,7 +107,7 @@ def run(args) -> int:
         raise SystemExit("--prompt: a prompt is empty" + (" (stdin)" if "-" in args.prompt else ""))
     target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
     if remote:
-        drafter = remote_drafter(args, target.vocab_size)
+        drafter = RemoteDrafter(vocab_size=target.vocab_size, **options)
     else:
         drafter = None if args.drafter == "none" else \
             make(args.drafter, branches=args.tree, chat=not args.raw)

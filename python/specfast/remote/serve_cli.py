@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from ..cli import count, read_file, seconds
+from ..cli import count, number, read_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=count(0), default=0, help="torch threads (0: default)")
     parser.add_argument("--workers", type=count(1), default=8,
                         help="sessions served at once; more are refused, not queued")
-    parser.add_argument("--idle", type=seconds, default=600.0,
+    parser.add_argument("--idle", type=number(0, strict=True), default=600.0,
                         help="seconds a silent session is kept before it is closed")
 
 
