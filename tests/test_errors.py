@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specfast as sf
-from reference import to_dtype
+from reference import BF16, to_dtype
 
 V = 8
 ERRORS = (ValueError, TypeError)
@@ -554,3 +554,39 @@ def test_long_double_and_big_endian_are_taken():
     np.testing.assert_array_equal(sf.sample(x.astype(">f4"), temperature=0.5, seed=5), ref)
     np.testing.assert_array_equal(sf.probs(x.astype(">f2")), sf.probs(x.astype(np.float16)))
     assert sf.sample(np.zeros((0, V), np.float32), top_k=np.array([], np.int32)).shape == (0,)
+
+
+def test_lists_of_python_ints_stay_integers():
+    """numpy makes float64 of an empty list and of ints mixing [0, 2^63) with
+    [2^63, 2^64), as random 64-bit seeds do half the time: refused as floats."""
+    x = base_rows()[:2]
+    seeds = [12345, 2**63 + 7]
+    alone = [sf.sample(x[i:i + 1], seed=s)[0] for i, s in enumerate(seeds)]
+    np.testing.assert_array_equal(sf.sample(x, seed=seeds), alone)
+    np.testing.assert_array_equal(sf.sample(x, seed=np.array(seeds, np.uint64)), alone)
+    kw = base_verify()
+    ref = sf.verify(**kw, seed=np.array([1, 2**63, 2**64 - 1], np.uint64))
+    got = sf.verify(**kw, seed=[1, 2**63, 2**64 - 1])
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    empty = np.zeros((0, V), np.float32)
+    for name in ("seed", "position", "top_k", "temperature"):
+        assert sf.sample(empty, **{name: []}).shape == (0,)
+        r = sf.verify(empty, [], [], **{name: []})
+        assert r.tokens.shape == (0, 1)
+    raises(lambda: sf.sample(x, seed=[-1, 2**63]), r"seed.*out of range")
+    raises(lambda: sf.verify(**kw, parents=[-1, 2**63, 0]), r"parents.*out of range")
+    raises(lambda: sf.verify(**dict(kw, draft_tokens=[1, 2, 2**64])),
+           r"draft_tokens.*out of range")
+
+
+def test_ml_dtypes_bfloat16_parameters_and_draft_probs():
+    """numpy's bfloat16 (ml_dtypes) is taken wherever floats are, as torch's is."""
+    if BF16 is None:
+        pytest.skip("numpy bfloat16 needs ml_dtypes")
+    bf16 = BF16
+    kw = base_verify()
+    ref = sf.verify(**kw, temperature=np.array([0.5, 1.0, 2.0], np.float32), seed=3)
+    got = sf.verify(**dict(kw, draft_probs=kw["draft_probs"].astype(bf16)),
+                    temperature=np.array([0.5, 1.0, 2.0], bf16), seed=3)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    raises(lambda: sf.sample(base_rows(), top_k=np.array([2] * 4, bf16)), r"top_k.*integers")

@@ -127,3 +127,46 @@ def test_torch_errors_are_python_errors():
         sf.sample(torch.randint(0, 5, (4, 8)))
     with pytest.raises((ValueError, TypeError)):
         sf.verify(torch.randn(2, 8), torch.tensor([1.0]), torch.tensor([1], dtype=torch.int32))
+
+
+def test_negated_views_subclasses_and_foreign_dtypes(rng):
+    """x.conj().imag is a float tensor whose memory holds -x (torch's negative
+    bit): read as its values. A subclass of Tensor is a tensor (torch out, and
+    requires_grad detached). float8 / complex32 logits: specfast's TypeError."""
+    z = torch.complex(torch.zeros(3, 9), torch.from_numpy(rng.standard_normal((3, 9)) * 3).float())
+    neg = z.conj().imag
+    assert neg.is_neg()
+    plain = neg.resolve_neg()
+    np.testing.assert_array_equal(sf.probs(neg).numpy(), sf.probs(plain).numpy())
+    np.testing.assert_array_equal(sf.sample(neg.bfloat16(), seed=4).numpy(),
+                                  sf.sample(plain.bfloat16(), seed=4).numpy())
+    q = torch.softmax(plain[:2], -1)
+    qz = torch.complex(torch.zeros_like(q), -q).conj().imag
+    assert qz.is_neg()
+    tz = torch.complex(torch.zeros(1), torch.tensor([-0.7])).conj().imag
+    a = sf.verify(plain, torch.tensor([1, 2]), torch.tensor([2]), draft_probs=q, seed=7,
+                  temperature=torch.tensor([0.7]))
+    b = sf.verify(neg, torch.tensor([1, 2]), torch.tensor([2]), draft_probs=qz, seed=7,
+                  temperature=tz)
+    assert torch.equal(a.tokens, b.tokens)
+
+    class Logits(torch.Tensor):
+        pass
+
+    sub = plain.clone().as_subclass(Logits).requires_grad_()
+    out = sf.sample(sub, seed=4)
+    assert isinstance(out, torch.Tensor)
+    assert torch.equal(out, sf.sample(plain, seed=4))
+    for dtype in (torch.float8_e4m3fn, torch.float64):
+        with pytest.raises(TypeError, match="must be float32, float16 or bfloat16"):
+            sf.sample(plain.to(dtype))
+
+
+def test_kv_compact_moves_a_negated_view_in_place():
+    cache = torch.complex(torch.zeros(1, 6, 2), torch.arange(12.0).reshape(1, 6, 2))
+    view = cache.conj().imag  # -arange, negative bit set
+    expect = view.resolve_neg().clone()
+    expect[0, 1:3] = expect[0, [2, 4]]
+    assert sf.kv_compact(view, [[1, 3]], [2], 0, seq_axis=1) is view
+    assert torch.equal(view.resolve_neg(), expect)
+    assert torch.equal(cache.imag, -expect)  # moved in the cache's own memory

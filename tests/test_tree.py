@@ -216,7 +216,13 @@ def test_verify_then_compact_keeps_the_accepted_path():
     assert [list(s) for s in specfast.kv_keep_slots(r.accepted_nodes, r.num_accepted, 2)] == [[2, 4, 6]]
 
 
-@pytest.mark.parametrize("root", [2**63 - 2, 2**63, 2**70, -1])
+def test_tree_helpers_take_an_empty_batch_from_lists():
+    cache = np.zeros((0, 2, 8, 4), np.float32)
+    assert specfast.kv_compact(cache, np.zeros((0, 2), np.int32), [], []) is cache
+    assert specfast.kv_keep_slots(np.zeros((0, 2), np.int32), [], []) == []
+
+
+@pytest.mark.parametrize("root", [2**63 - 2, 2**63, 2**70, -1, [2**70]])
 def test_kv_compact_root_slot_out_of_range(root):
     """A root slot near 2^63 made root + 1 + node wrap negative, past the bounds
     check: memmove wrote before the cache (heap corruption)."""
@@ -237,9 +243,12 @@ def test_kv_compact_root_slot_out_of_range(root):
     (lambda: specfast.kv_keep_slots([[1, 3], [0, -1]], [5, 2], [2, 4]), ValueError),
     (lambda: specfast.kv_keep_slots([[1, 3], [0, -1]], [2, 2], [2, 4]), ValueError),
     (lambda: specfast.kv_keep_slots(np.array([[1, 3]]), np.array([2, 1]), [2, 4]), ValueError),
+    # a path goes down the tree: kv_compact refuses these too
+    (lambda: specfast.kv_keep_slots([[3, 1]], [2], 0), ValueError),
+    (lambda: specfast.kv_keep_slots([[2, 2]], [2], 0), ValueError),
     (lambda: specfast.tree_mask(None, [2**31 - 1]), ValueError),  # before allocating 4 EiB
 ], ids=["object-cache", "0-d-cache", "axis", "accepted-past-width", "accepted-padding",
-        "batch", "huge-tree"])
+        "batch", "path-up", "path-repeats", "huge-tree"])
 def test_tree_helpers_reject_bad_input(call, error):
     with pytest.raises(error):
         call()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 from typing import Any, NamedTuple
 
@@ -88,7 +89,8 @@ class VerifyResult(NamedTuple):
 
 
 def _is_torch(x) -> bool:
-    return type(x).__module__.split(".", 1)[0] == "torch"
+    torch = sys.modules.get("torch")  # a tensor means torch is imported; never import it here
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _torch_to_numpy(t, name):
@@ -96,10 +98,31 @@ def _torch_to_numpy(t, name):
         raise NotImplementedError(
             f"{name} is on {t.device}; this build of specfast runs on CPU tensors only"
         )
-    return t.detach().numpy()
+    # A negated view (x.conj().imag) holds its values negated: resolved to a copy.
+    return t.detach().resolve_neg().numpy()
 
 
 _I32 = np.dtype(np.int32)
+
+
+def _as_array(x, name):
+    """np.asarray(x), with Python ints kept integer: numpy makes float64 of an
+    empty list and of ints that mix [0, 2^63) with [2^63, 2^64) (random 64-bit
+    seeds), and object arrays of ints past 64 bits."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "fO" or not isinstance(x, (list, tuple, int)):
+        return a
+    if a.size == 0:
+        return a.astype(np.int64)
+    flat = np.array(x, dtype=object).reshape(-1)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in flat):
+        return a
+    lo, hi = int(min(flat)), int(max(flat))
+    for dtype in (np.int64, np.uint64):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return np.array([int(v) for v in flat], dtype).reshape(a.shape)
+    raise ValueError(f"{name} holds integers out of range (from {lo} to {hi})")
 
 
 def _int_array(x, name, ndim):
@@ -107,7 +130,7 @@ def _int_array(x, name, ndim):
         return x  # the common case, checked first: this runs every decoding step
     if _is_torch(x):
         x = _torch_to_numpy(x, name)
-    a = np.asarray(x)
+    a = _as_array(x, name)
     if a.dtype.kind not in "iu":
         if a.size == 0 and a.dtype.kind == "f":
             a = a.astype(np.int32)
@@ -126,6 +149,8 @@ def _float_array(x, name, ndim):
     if _is_torch(x):
         x = _torch_to_numpy(x.float() if str(x.dtype) == "torch.bfloat16" else x, name)
     a = np.asarray(x)
+    if a.dtype.name == "bfloat16":  # ml_dtypes; float32 holds it exactly
+        a = a.astype(np.float32)
     if a.dtype.kind != "f":
         raise TypeError(f"{name} must hold floats, got dtype {a.dtype}")
     if a.ndim != ndim:
@@ -144,12 +169,16 @@ def _logits(x, name="target_logits"):
         if str(x.dtype) == "torch.bfloat16":
             if x.device.type != "cpu":
                 _torch_to_numpy(x, name)
-            x = x.detach()
+            x = x.detach().resolve_neg()
             if x.dim() == 2 and x.stride(1) != 1:
                 x = x.contiguous()
             a, code = x.view(_torch().int16).numpy(), _BF16
         else:
-            a = _torch_to_numpy(x, name)
+            try:
+                a = _torch_to_numpy(x, name)
+            except TypeError:  # a dtype numpy lacks (float8, complex32)
+                raise TypeError(f"{name} must be float32, float16 or bfloat16, "
+                                f"got dtype {x.dtype}") from None
             code = None
     else:
         a = np.asarray(x)
@@ -219,7 +248,9 @@ def _array_param(value, name, batch, keep):
                 raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
             value = value.float()
         value = _torch_to_numpy(value, name)
-    a = np.asarray(value)
+    a = _as_array(value, name)
+    if a.dtype.name == "bfloat16" and dtype == np.float32:  # ml_dtypes
+        a = a.astype(np.float32)
     if a.ndim > 1 or (a.ndim == 1 and a.shape[0] not in (1, batch)):
         raise ValueError(
             f"{name} must be a scalar or have one value per request ({batch}), got shape {a.shape}"

@@ -34,8 +34,8 @@ import cffi
 import numpy as np
 
 from ._cdef import CDEF
-from ._api import (_MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_float, _first_bad_param,
-                   _method, _param_detail, _scalar, _torch)
+from ._api import (_MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array, _as_float,
+                   _first_bad_param, _method, _param_detail, _scalar, _torch)
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -107,7 +107,7 @@ def _on_device(x, dtype, dev, name, ndim=None):
             raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
         t = t.to(device=dev, dtype=dtype)
     else:
-        a = np.asarray(x)
+        a = _as_array(x, name)
         if ints and a.dtype.kind not in "iu":
             if not (a.size == 0 and a.dtype.kind == "f"):
                 raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
@@ -129,7 +129,7 @@ def _c_logits(x, name, keep):
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got dtype {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D (rows, vocab), got shape {tuple(x.shape)}")
-    x = x.detach()
+    x = x.detach().resolve_neg()  # a negated view's memory holds -x
     if x.shape[1] and (x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1])):
         x = x.contiguous()
     if x.shape[1] < 1 or x.shape[1] > _MAX_VOCAB:
@@ -146,7 +146,7 @@ def _is_int(v):
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-def _dtype_kind(value):
+def _dtype_kind(value, name):
     """(shape, dtype, numpy kind) of an array parameter, without reading device data."""
     torch = _torch()
     if isinstance(value, torch.Tensor):
@@ -154,7 +154,7 @@ def _dtype_kind(value):
         kind = ("f" if d.is_floating_point else "c" if d.is_complex else
                 "b" if d == torch.bool else "i" if d.is_signed else "u")
         return tuple(value.shape), d, kind
-    a = np.asarray(value)
+    a = _as_array(value, name)
     return a.shape, a.dtype, a.dtype.kind
 
 
@@ -185,7 +185,7 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
             setattr(p, "n_" + name, 1)
             setattr(p, name + "_value", v)
             continue
-        shape, dt, kind = _dtype_kind(value)
+        shape, dt, kind = _dtype_kind(value, name)
         if len(shape) > 1:
             raise ValueError(f"{name} must be a scalar or have one value per request "
                              f"({batch}), got shape {shape}")
@@ -194,7 +194,7 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
         if name == "seed" and isinstance(value, torch.Tensor) and not value.is_cuda:
             value = value.detach().numpy()  # host seeds: checked and taken as numpy's
         if name == "seed" and not isinstance(value, torch.Tensor):
-            a = np.asarray(value)
+            a = _as_array(value, "seed")
             if a.dtype.kind not in "iu":
                 raise TypeError(f"seed must hold integers, got dtype {a.dtype}")
             if a.dtype.kind == "i" and a.size and a.min() < 0:
@@ -226,8 +226,8 @@ def _out(out, name, shape, dtype, dev):
         raise ValueError(
             f"out[{name!r}] must be a {dtype} tensor of shape {tuple(shape)} on {dev}, "
             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"out[{name!r}] must be contiguous")
+    if not t.is_contiguous() or t.is_neg():
+        raise ValueError(f"out[{name!r}] must be contiguous (and not a negated view)")
     return t
 
 

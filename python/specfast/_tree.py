@@ -6,7 +6,7 @@ import operator
 
 import numpy as np
 
-from ._api import _MAX_DRAFT, _int_array, _is_torch, _ptr, _torch
+from ._api import _MAX_DRAFT, _as_array, _int_array, _is_torch, _ptr, _torch
 from ._lib import check, ffi, lib
 
 
@@ -78,9 +78,7 @@ def tree_mask(parents, num_draft=None, *, packed=False):
 
 def _slots(root_slot, batch):
     """root_slot as (batch,) int64: one int or one per request."""
-    r = np.asarray(root_slot)
-    if r.dtype.kind == "O" and all(type(v) is int for v in r.flat):
-        raise ValueError("root_slot must be in [0, 2^62)")  # ints numpy cannot hold
+    r = _as_array(root_slot, "root_slot")
     if r.dtype.kind not in "iu":
         raise TypeError(f"root_slot must hold integers, got {root_slot!r}")
     if r.ndim > 1 or (r.ndim == 1 and r.shape[0] != batch):
@@ -182,7 +180,8 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     nodes, acc, roots = _paths(accepted_nodes, num_accepted, root_slot)
     batch = acc.shape[0]
     if _is_torch(cache):
-        if cache.device.type != "cpu":
+        # torch moves a negated or conjugated view's entries (numpy has no view of them)
+        if cache.device.type != "cpu" or cache.is_neg() or cache.is_conj():
             ba, sa = _axes(cache.dim(), batch_axis, seq_axis)
             _refuse_aliases(cache.shape, cache.stride())
             return _kv_compact_torch(cache, nodes, acc, roots, ba, sa)
@@ -278,5 +277,7 @@ def kv_keep_slots(accepted_nodes, num_accepted, root_slot):
         path = nodes[b, : acc[b]].astype(np.int64)
         if path.size and path.min() < 0:
             raise ValueError(f"accepted_nodes[{b}] holds -1 among its first {acc[b]} entries")
+        if np.any(np.diff(path) <= 0):  # a child comes after its parent, as kv_compact checks
+            raise ValueError(f"accepted_nodes[{b}] must increase along the path")
         slots.append(np.concatenate([[r], r + 1 + path]))
     return slots
