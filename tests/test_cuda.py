@@ -291,6 +291,28 @@ def test_scalar_params_and_strided_rows(rng):
         np.testing.assert_array_equal(cpu, gpu.cpu().numpy())
 
 
+def negated(x):
+    """A view with torch's negative bit (x.conj().imag): its memory holds -x."""
+    t = torch.complex(torch.zeros_like(x), -x).conj().imag
+    assert t.is_neg() and torch.equal(t, x)
+    return t
+
+
+def test_negated_views_are_read_as_their_values(rng):
+    """The kernels read memory: a negated view is resolved first (it was read as -x)."""
+    args, kw = batch_case(rng, 300, "float32", "dense", False, 6)
+    logits = torch.from_numpy(args[0]).to(DEV)
+    q = torch.from_numpy(kw["draft_probs"][1]).to(DEV)
+    ref = _cuda.verify(logits, to_torch(args[1]), args[2], draft_probs=q, seed=3, check=True)
+    got = _cuda.verify(negated(logits), to_torch(args[1]), args[2], draft_probs=negated(q),
+                       seed=3, check=True)
+    assert_same(ref, got, "negated views")
+    np.testing.assert_array_equal(_cuda.probs(negated(logits), check=True).cpu().numpy(),
+                                  sf.probs(args[0]))
+    with pytest.raises(ValueError, match="negated"):
+        _cuda.probs(logits, out={"probs": negated(torch.zeros_like(logits))})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_empty_batches_match_cpu(dtype):
     x = to_dtype(np.zeros((0, 50), np.float32), dtype)
