@@ -93,6 +93,13 @@ def test_simd_level_agrees_with_scalar_bit_for_bit(level, scalar_outputs, tmp_pa
                                       err_msg=f"{k}: {level} differs from scalar")
 
 
+def test_unknown_simd_level_is_said():
+    env = dict(os.environ, SPECFAST_SIMD="AVX2")
+    proc = subprocess.run([sys.executable, "-c", "import specfast"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "SPECFAST_SIMD='AVX2' is not" in proc.stderr
+
+
 def test_default_simd_level_is_the_best_available():
     import specfast as sf
 
@@ -140,6 +147,130 @@ def test_concurrent_calls_from_python_threads():
         together = list(ex.map(lambda ak: np.asarray(call_verify(*ak).tokens), batches * 3))
     for i, t in enumerate(together):
         np.testing.assert_array_equal(t, alone[i % 6])
+
+
+def test_a_call_inside_another_on_the_same_thread(monkeypatch):
+    """A signal handler or __del__ may call specfast between another call's packing of
+    its parameters and its C call: each keeps its own (the inner call overwrote the
+    outer's reused C structs, and verify ran greedy with the inner's seed)."""
+    import specfast as sf
+    from specfast import _api
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 2000)).astype(np.float32)
+    toks = np.argsort(-logits[0])[:4].astype(np.int32)
+    nd = np.array([4], np.int32)
+    kw = dict(temperature=1.0, seed=123, position=7)
+    refs = {s: sf.verify(logits, toks, nd, **dict(kw, seed=s)).tokens for s in range(123, 143)}
+    small = np.zeros((1, 10), np.float32)
+    inner = []
+    real = _api._c_logits
+
+    def interrupted(*args):
+        monkeypatch.setattr(_api, "_c_logits", real)  # the inner call runs through
+        inner.append(sf.sample(small, temperature=0.0, seed=999, position=0)[0])
+        monkeypatch.setattr(_api, "_c_logits", interrupted)
+        return real(*args)
+
+    monkeypatch.setattr(_api, "_c_logits", interrupted)
+    for s in range(123, 143):
+        np.testing.assert_array_equal(sf.verify(logits, toks, nd, **dict(kw, seed=s)).tokens,
+                                      refs[s])
+        np.testing.assert_array_equal(sf.probs(logits[:1], temperature=0.5),
+                                      sf.probs(logits[:1], temperature=0.5))
+    assert inner and all(t == 0 for t in inner)
+
+
+def run_python(code, timeout=60):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_exit_with_a_large_pool_running():
+    """cffi unloads the library at interpreter exit while the workers still spin or
+    wake: they faulted in unmapped code (exit status 139 in most runs at 256 threads)."""
+    code = ("import numpy as np, specfast\n"
+            "specfast.set_num_threads(256)\n"
+            "x = np.zeros((1, 151936), np.float32)\n"
+            "for s in range(3): specfast.sample(x, seed=s)\n")
+    for _ in range(4):
+        proc = run_python(code)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_pool_that_cannot_start_keeps_the_setting_in_force():
+    """Threads that cannot start (no address space for their stacks): set_num_threads
+    raises, and the setting before it stays in force (it stayed at the failed count,
+    and every later call raised)."""
+    code = """if True:
+        import resource, numpy as np, specfast
+        x = np.random.default_rng(0).standard_normal((4, 1000)).astype(np.float32)
+        specfast.set_num_threads(2)
+        ref = specfast.sample(x, seed=1)
+        vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 64 * 2**20, resource.RLIM_INFINITY))
+        try:
+            specfast.set_num_threads(256)
+        except RuntimeError as e:
+            print("refused:", e)
+        assert specfast.get_num_threads() == 2, specfast.get_num_threads()
+        assert (specfast.sample(x, seed=1) == ref).all()
+        r = specfast.verify(x, np.array([1, 2, 3], np.int32), np.array([3], np.int32), seed=1)
+        print("ok", r.num_accepted[0])
+        """
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: specfast.set_num_threads" in proc.stdout and "ok" in proc.stdout
+
+
+def _pool_tasks():
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.usefixtures("restore_threads")
+def test_workers_take_the_process_cores_and_block_signals():
+    """The default count is the process's cores whichever thread asks (a caller pinned
+    to one core made it 1, and two differently pinned callers restarted the pool in
+    turn); workers started by a pinned thread run on the process's cores, and keep
+    signals blocked for the application's threads (a SIGUSR1 meant for sigwait killed
+    the process)."""
+    import threading
+
+    import specfast as sf
+
+    def field(task, name):
+        return open(f"/proc/self/task/{task}/status").read().split(name + ":")[1].split()[0]
+
+    cores = os.sched_getaffinity(0)
+    x = np.zeros((64, 1000), np.float32)
+    seen = {}
+
+    def pinned():
+        os.sched_setaffinity(0, {min(cores)})
+        seen["default"] = sf.get_num_threads()
+        before = _pool_tasks()
+        sf.set_num_threads(3)
+        seen["workers"] = {w: (field(w, "Cpus_allowed_list"), int(field(w, "SigBlk"), 16))
+                           for w in _pool_tasks() - before}
+
+    sf.set_num_threads(0)
+    sf.sample(x)
+    t = threading.Thread(target=pinned)
+    t.start()
+    t.join()
+    assert seen["default"] == len(cores)
+    assert len(seen["workers"]) == 2
+    for allowed, blocked in seen["workers"].values():
+        assert allowed == field(os.getpid(), "Cpus_allowed_list")
+        assert blocked >> 9 & 1 and blocked >> 1 & 1, hex(blocked)  # SIGUSR1, SIGINT
+    sf.set_num_threads(0)
+    sf.sample(x)
+    before = _pool_tasks()
+    t = threading.Thread(target=lambda: (os.sched_setaffinity(0, {min(cores)}), sf.sample(x)))
+    t.start()
+    t.join()
+    assert _pool_tasks() == before  # the pool did not restart for the pinned caller
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 #define _GNU_SOURCE
 #include "pool.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -62,12 +64,16 @@ static struct {
        .go = PTHREAD_COND_INITIALIZER,
        .done = PTHREAD_COND_INITIALIZER};
 
+/* The process's cores: the main thread's affinity (taskset, a container's
+ * cpuset), the same whichever thread asks. A caller pinned to one core must
+ * not shrink the pool, nor two differently pinned callers restart it in turn. */
+static int process_cores(cpu_set_t *set) {
+    return sched_getaffinity(getpid(), sizeof *set, set) == 0 && CPU_COUNT(set) > 0;
+}
+
 static int core_count(void) {
     cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) {
-        int n = CPU_COUNT(&set);
-        if (n > 0) return n;
-    }
+    if (process_cores(&set)) return CPU_COUNT(&set);
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n > 0 ? (int)n : 1;
 }
@@ -168,6 +174,37 @@ static void stop_workers(void) {
     P.shutdown = 0;
 }
 
+/* Workers outlive the calls: the library must stay mapped while they live,
+ * past its last dlclose (cffi closes it at interpreter exit, while workers may
+ * still spin or wake: they faulted in unmapped code). */
+static void pin_library(void) {
+    static int pinned;
+    Dl_info info;
+    if (!pinned && dladdr((void *)worker_main, &info) && info.dli_fname)
+        pinned = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE) != NULL;
+}
+
+/* Starts workers 1..want-1: on the process's cores (not the pinning of the
+ * thread that happens to start them) and with every signal blocked, so that
+ * signals reach the application's threads (sigwait, Python's handlers). */
+static int start_workers(int want) {
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0) return 0;
+    cpu_set_t set;
+    if (process_cores(&set)) pthread_attr_setaffinity_np(&attr, sizeof set, &set);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int ok = 1;
+    for (int i = 1; i < want && ok; i++) {
+        ok = pthread_create(&P.threads[P.started], &attr, worker_main, (void *)(intptr_t)i) == 0;
+        if (ok) P.started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    return ok;
+}
+
 static sf_status ensure_workers(void) {
     int want = wanted_threads();
     if (P.n_scratch < want) {
@@ -183,13 +220,10 @@ static sf_status ensure_workers(void) {
     if (!t) return SF_ERR_NO_MEMORY;
     P.threads = t;
     P.start_generation = atomic_load(&P.generation);
-    for (int i = 1; i < want; i++) {
-        if (pthread_create(&P.threads[P.started], NULL, worker_main,
-                           (void *)(intptr_t)i) != 0) {
-            stop_workers();
-            return SF_ERR_THREADS;
-        }
-        P.started++;
+    pin_library();
+    if (!start_workers(want)) {
+        stop_workers();
+        return SF_ERR_THREADS;
     }
     return SF_OK;
 }
@@ -219,11 +253,13 @@ sf_status sf_parallel_for(int64_t n, sf_task_fn fn, void *ctx,
                           int64_t *fail_item) {
     pthread_mutex_lock(&call_lock);
     sf_status st = ensure_workers();
-    if (st != SF_OK) {
+    if (st == SF_ERR_NO_MEMORY) {
         pthread_mutex_unlock(&call_lock);
         *fail_item = -1;
         return st;
     }
+    /* Where threads cannot start, the caller runs the job alone: the results
+     * do not depend on the thread count. */
     sf_job j = {fn, ctx, n, 0, 0, -1, SF_OK, 0, 0};
     if (n > 1 && P.started > 0) {
         run_everywhere(&j, &P.scratch[0]);
@@ -253,8 +289,13 @@ int sf_parallel_width(void) { return P.single ? P.started + 1 : 1; }
 SF_API sf_status sf_set_num_threads(int n) {
     if (n < 0) return SF_ERR_ARGUMENT;
     pthread_mutex_lock(&call_lock);
+    const int before = P.requested;
     P.requested = n;
     sf_status st = ensure_workers();
+    if (st != SF_OK) { /* the setting in force stays: its workers again, where they start */
+        P.requested = before;
+        ensure_workers();
+    }
     pthread_mutex_unlock(&call_lock);
     return st;
 }

@@ -292,10 +292,13 @@ _T_F3, _T_I3, _T_U1, _T_I32P, _T_U64P = (
 
 class _Frame(threading.local):
     """Per-thread C structs that every call reuses instead of allocating its
-    own (a call fills each field it passes; calls on one thread never overlap):
-    on a lone request, allocating them cost more than the core's work."""
+    own (a call fills each field it passes): on a lone request, allocating
+    them cost more than the core's work. A call made inside another on the
+    same thread (a signal handler or __del__ running between the outer call's
+    filling and its C call) takes a fresh frame: see _take_frame."""
 
     def __init__(self):
+        self.busy = False
         self.floats = ffi.new(_T_F3)  # temperature, top_p, min_p
         self.ints = ffi.new(_T_I3)  # top_k (read as int32), unused, position
         self.seeds = ffi.new(_T_U1)
@@ -306,11 +309,22 @@ class _Frame(threading.local):
 
 
 _frame = _Frame()
+
+
+def _take_frame():
+    """This thread's frame, marked busy until the caller clears ``busy``."""
+    f = _frame
+    if f.busy:
+        f = _Frame()
+    f.busy = True
+    return f
+
+
 _PARAM_NAMES = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
 
 
-def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
-    """An sf_params; scalars share two small buffers, arrays are passed as is."""
+def _params(f, batch, temperature, top_k, top_p, min_p, seed, position, keep):
+    """An sf_params; scalars in frame f's buffers, arrays are passed as is."""
     # A server's lone request passes its seed and position as arrays.
     if type(seed) is np.ndarray:
         seed = _single(seed, "seed")
@@ -327,8 +341,7 @@ def _params(batch, temperature, top_k, top_p, min_p, seed, position, keep):
     if (type(temperature) in _PLAIN and type(top_p) in _PLAIN and type(min_p) in _PLAIN
             and type(top_k) is int and type(seed) is int and type(position) is int
             and 0 <= top_k < 1 << 31 and 0 <= seed < 1 << 64 and -(1 << 63) <= position < 1 << 63):
-        # Every parameter a plain number: the common case, in this thread's frame.
-        f = _frame
+        # Every parameter a plain number: the common case, in the frame.
         floats, ints = f.floats, f.ints
         try:
             floats[0] = temperature
@@ -606,7 +619,6 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         raise ValueError(
             f"target_logits has {a.shape[0]} rows; sum(num_draft + 1) = {n + batch} needed"
         )
-    params = _params(batch, temperature, top_k, top_p, min_p, seed, position, keep)
     # One allocation for the three outputs.
     width = max_draft + 1
     buf = np.empty(batch * (2 * width), np.int32)
@@ -615,10 +627,15 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     out_nodes = buf[batch * width + batch:].reshape(batch, max_draft)
     base = _ptr("int32_t *", buf)
     out = ffi.new(_T_OUT, (base, base + batch * width, base + batch * width + batch, max_draft))
-    err = _frame.err
-    status = lib().sf_verify(_c_logits(a, code, stride, keep), d, params, m, out, err)
+    f = _take_frame()
+    try:
+        params = _params(f, batch, temperature, top_k, top_p, min_p, seed, position, keep)
+        status = lib().sf_verify(_c_logits(a, code, stride, keep), d, params, m, out, f.err)
+        index = f.err.index
+    finally:
+        f.busy = False
     if status:
-        _raise(status, "specfast.verify", err.index,
+        _raise(status, "specfast.verify", index,
                dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
     if torch_out:
         torch = _torch()
@@ -659,12 +676,17 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
     m = _method(method)
     a, code, stride = _logits(logits, "logits")
     keep = [a]
-    params = _params(a.shape[0], temperature, top_k, top_p, min_p, seed, position, keep)
     out = np.empty(a.shape[0], np.int32)
-    err = ffi.new("sf_error *")
-    status = lib().sf_sample(_c_logits(a, code, stride, keep), params, m, _ptr("int32_t *", out), err)
+    f = _take_frame()
+    try:
+        params = _params(f, a.shape[0], temperature, top_k, top_p, min_p, seed, position, keep)
+        status = lib().sf_sample(_c_logits(a, code, stride, keep), params, m,
+                                 _ptr("int32_t *", out), f.err)
+        index = f.err.index
+    finally:
+        f.busy = False
     if status:
-        _raise(status, "specfast.sample", err.index,
+        _raise(status, "specfast.sample", index,
                dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
     return _torch().from_numpy(out) if torch_out else out
 
@@ -701,19 +723,25 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
                            min_p=min_p)
     a, code, stride = _logits(logits, "logits")
     keep = [a]
-    params = _params(a.shape[0], temperature, top_k, top_p, min_p, 0, 0, keep)
     out = np.empty(a.shape, np.float32)
-    err = ffi.new("sf_error *")
-    status = lib().sf_probs(_c_logits(a, code, stride, keep), params, _ptr("float *", out), err)
+    f = _take_frame()
+    try:
+        params = _params(f, a.shape[0], temperature, top_k, top_p, min_p, 0, 0, keep)
+        status = lib().sf_probs(_c_logits(a, code, stride, keep), params, _ptr("float *", out),
+                                f.err)
+        index = f.err.index
+    finally:
+        f.busy = False
     if status:
-        _raise(status, "specfast.probs", err.index,
+        _raise(status, "specfast.probs", index,
                dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
     return _torch().from_numpy(out) if torch_out else out
 
 
 def set_num_threads(n: int) -> None:
     """Sets the threads of the pool: n >= 1 (at most 256 are started), or 0 for one
-    per core."""
+    per core of the process. RuntimeError where they cannot start (the setting
+    before stays)."""
     n = operator.index(n)
     if not 0 <= n < 1 << 31:
         raise ValueError(f"set_num_threads: n must be in [0, 2^31), got {n}")

@@ -6,6 +6,7 @@ import functools
 import importlib.resources
 import os
 import sys
+import warnings
 
 import cffi
 
@@ -50,6 +51,10 @@ def open_library(ffi_, path: str, version: str, missing):
 @functools.cache
 def lib():
     """The loaded library; raises ImportError when it is missing or stale."""
+    simd = os.environ.get("SPECFAST_SIMD", "")
+    if simd not in ("", "scalar", "avx2", "avx512"):  # the core ignores other values
+        warnings.warn(f"SPECFAST_SIMD={simd!r} is not scalar, avx2 or avx512: ignored",
+                      RuntimeWarning, stacklevel=2)
     return open_library(
         ffi, _library_path(), "sf_version",
         lambda path, exc: ImportError(
