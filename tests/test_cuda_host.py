@@ -244,6 +244,7 @@ def _set(path, value):
     (_set("logits.vocab", 0), 2),
     (_set("logits.vocab", _MAX_VOCAB + 1), 2),
     (_set("logits.row_stride", 49), 2),
+    (_set("logits.row_stride", 2**62), 2),  # row offsets in bytes would wrap
     (_set("params.", _cuda.ffi.NULL), 1),
     (lambda c: (_set("params.top_p", _cuda.ffi.cast("float *", 4096))(c),
                 _set("params.n_top_p", 3)(c)), 2),
@@ -251,7 +252,8 @@ def _set(path, value):
     (_set("params.temperature_value", float("nan")), 3),
     (_set("params.top_k_value", -1), 3),
     (_set("params.min_p_value", -0.5), 3),
-], ids=["no-logits", "dtype", "vocab-0", "vocab-big", "stride", "no-params", "params-count",
+], ids=["no-logits", "dtype", "vocab-0", "vocab-big", "stride", "stride-wraps", "no-params",
+        "params-count",
         "top_p", "temperature", "top_k", "min_p"])
 def test_c_entry_checks_shapes_and_pointers(entry, change, code):
     assert c_call(change, entry) == code

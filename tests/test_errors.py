@@ -590,3 +590,39 @@ def test_ml_dtypes_bfloat16_parameters_and_draft_probs():
                     temperature=np.array([0.5, 1.0, 2.0], bf16), seed=3)
     np.testing.assert_array_equal(got.tokens, ref.tokens)
     raises(lambda: sf.sample(base_rows(), top_k=np.array([2] * 4, bf16)), r"top_k.*integers")
+
+
+def test_c_entries_refuse_sizes_whose_extent_wraps():
+    """Sizes no buffer can have are statuses from the C core itself (C callers have no
+    Python checks before it): row offsets that wrap read before the buffer and
+    returned SF_OK; a width max_draft + 1 that overflows wrote out of bounds; a batch
+    far above SF_MAX_BATCH had its parameters checked request by request first."""
+    from specfast._api import _MAX_DRAFT
+    from specfast._lib import ffi, lib
+
+    L = lib()
+    logits = np.zeros((3, 8), np.float32)
+    buf = ffi.from_buffer(logits)
+    T, tk, tp, mp, seed, pos = (ffi.new(t, v) for t, v in (
+        ("float *", 0.8), ("int32_t *", 0), ("float *", 1.0), ("float *", 0.0),
+        ("uint64_t *", 1), ("int64_t *", 0)))
+    params = ffi.new("sf_params *", (T, 1, tk, 1, tp, 1, mp, 1, seed, 1, pos, 1))
+    toks, nd = ffi.new("int32_t[]", [7, 6]), ffi.new("int32_t[]", [2])
+    out_tok, out_acc, out_nodes = (ffi.new("int32_t[]", 3) for _ in range(3))
+    err = ffi.new("sf_error *")
+
+    def verify(row_stride=8, max_draft=2, batch=1):
+        d = ffi.new("sf_draft *")
+        d.tokens, d.n, d.num_draft, d.batch = toks, 2, nd, batch
+        out = ffi.new("sf_verify_out *", (out_tok, out_acc, out_nodes, max_draft))
+        lg = ffi.new("sf_logits *", (buf, 0, 3, 8, row_stride))
+        return L.sf_verify(lg, d, params, 0, out, err)
+
+    assert verify() == 0
+    assert verify(row_stride=2**62) == L.SF_ERR_SHAPE
+    assert verify(max_draft=2**63 - 1) == L.SF_ERR_ARGUMENT
+    assert verify(max_draft=_MAX_DRAFT + 1) == L.SF_ERR_ARGUMENT
+    assert verify(batch=2**62) == L.SF_ERR_SHAPE
+    lg = ffi.new("sf_logits *", (buf, 0, 3, 8, 2**62))
+    assert L.sf_sample(lg, params, 0, out_tok, err) == L.SF_ERR_SHAPE
+    assert L.sf_probs(lg, params, ffi.cast("float *", buf), err) == L.SF_ERR_SHAPE

@@ -60,6 +60,8 @@ static inline sf_status sf_logits_check(const sf_logits *l) {
     if (l->vocab < 1 || l->vocab > SF_MAX_VOCAB || l->rows < 0 ||
         l->row_stride < l->vocab)
         return SF_ERR_SHAPE;
+    /* Row offsets in bytes must not wrap (they read before the buffer). */
+    if (l->rows > 1 && l->row_stride > INT64_MAX / 4 / l->rows) return SF_ERR_SHAPE;
     return SF_OK;
 }
 

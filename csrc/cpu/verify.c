@@ -283,11 +283,13 @@ SF_API sf_status sf_verify(const sf_logits *logits, const sf_draft *draft,
     int64_t index = -1;
     sf_status st = sf_logits_check(logits);
     if (st == SF_OK && (!draft || !out || !out->tokens || !out->num_accepted ||
-                        out->max_draft < 0 ||
+                        out->max_draft < 0 || out->max_draft > SF_MAX_DRAFT ||
                         (out->max_draft > 0 && !out->accepted_nodes)))
         st = SF_ERR_ARGUMENT;
     if (st == SF_OK && method != SF_REJECTION && method != SF_COUPLED)
         st = SF_ERR_ARGUMENT;
+    /* Before the parameters are read once per request. */
+    if (st == SF_OK && (draft->batch < 0 || draft->batch > SF_MAX_BATCH)) st = SF_ERR_SHAPE;
     if (st == SF_OK) st = sf_params_check(params, draft->batch, &index);
     int64_t *node_off = NULL;
     if (st == SF_OK) {

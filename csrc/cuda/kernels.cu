@@ -33,6 +33,7 @@
 
 #include <mutex>
 
+#include "../common/params.h"
 #include "block.cuh"
 #include "specfast_cuda.h"
 
@@ -1433,14 +1434,6 @@ static sf_status sf_cu_launched(cudaError_t e) {
     return e == cudaSuccess ? SF_OK : SF_ERR_UNSUPPORTED;
 }
 
-static sf_status sf_cu_check_logits(const sf_logits *l) {
-    if (!l || (!l->data && l->rows > 0)) return SF_ERR_ARGUMENT;
-    if (l->dtype != SF_F32 && l->dtype != SF_F16 && l->dtype != SF_BF16) return SF_ERR_ARGUMENT;
-    if (l->vocab < 1 || l->vocab > SF_MAX_VOCAB || l->rows < 0 || l->row_stride < l->vocab)
-        return SF_ERR_SHAPE;
-    return SF_OK;
-}
-
 static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
     if (!p) return SF_ERR_ARGUMENT;
     const void *ptr[6] = {p->temperature, p->top_k, p->top_p, p->min_p, p->seed, p->position};
@@ -1606,7 +1599,7 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
                                 const sf_cuda_params *params, sf_method method,
                                 sf_verify_out *out, int32_t *status, void *workspace,
                                 int64_t workspace_bytes, void *stream) {
-    sf_status st = sf_cu_check_logits(logits);
+    sf_status st = sf_logits_check(logits);
     if (st != SF_OK) return st;
     if (!draft || !out || !status || !out->tokens || !out->num_accepted || out->max_draft < 0 ||
         out->max_draft > SF_MAX_DRAFT || (out->max_draft > 0 && !out->accepted_nodes))
@@ -1681,7 +1674,7 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
 static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *params,
                             sf_method method, int32_t *tokens, float *probs,
                             int32_t *status, void *stream) {
-    sf_status st = sf_cu_check_logits(logits);
+    sf_status st = sf_logits_check(logits);
     if (st != SF_OK) return st;
     if (!status || (!tokens && !probs)) return SF_ERR_ARGUMENT;
     if (method != SF_REJECTION && method != SF_COUPLED) return SF_ERR_ARGUMENT;

@@ -131,7 +131,8 @@ typedef struct sf_draft {
     int64_t sparse_k;
 } sf_draft;
 
-/* Results of sf_verify for `batch` requests, with width = max_draft + 1:
+/* Results of sf_verify for `batch` requests, with width = max_draft + 1
+ * (max_draft in [0, SF_MAX_DRAFT]):
  *   tokens          (batch, width) int32: accepted draft tokens, then one
  *                   corrected or bonus token, padded with -1;
  *   num_accepted    (batch,) int32;
