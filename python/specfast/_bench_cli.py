@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -572,7 +573,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="none, or top_k=50 and top_p=0.9")
     a("--source", nargs="+", default=["correlated"], choices=["correlated", "independent"],
       help="the drafter: correlated with the target, or independent of it")
-    a("--impl", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    a("--impl", nargs="+", default=None, choices=list(IMPLS),
+      help="what to time (default: all; torch where it is installed)")
     a("--repeats", type=count(1), default=7, help="samples per implementation (median)")
     a("--min-time", type=number(0), default=0.05,
       help="seconds per sample; short calls are looped")
@@ -601,9 +603,21 @@ def _cases(args) -> list:
                 args.source)
 
 
+def _missing_packages(args) -> None:
+    """Packages the options need, said before the timings (not after them)."""
+    need = {"matplotlib": args.plot, "ml_dtypes": "bfloat16" in args.dtype,
+            "torch": args.torch_threads is not None or "torch" in (args.impl or ())}
+    why = {"matplotlib": "--plot", "ml_dtypes": "--dtype bfloat16",
+           "torch": "--impl torch / --torch-threads"}
+    for name, needed in need.items():
+        if needed and importlib.util.find_spec(name) is None:
+            raise SystemExit(f"{why[name]} needs {name}: pip install {name}")
+
+
 def run(args) -> int:
     import specfast
 
+    _missing_packages(args)
     if args.threads is not None:
         specfast.set_num_threads(args.threads)
     if args.torch_threads is not None:
@@ -628,7 +642,7 @@ def run(args) -> int:
     for case in cases:
         if bar is not None:
             bar.set_postfix_str(case.id)
-        rows.append(run_case(case, args.impl, args.repeats, args.min_time, args.seed))
+        rows.append(run_case(case, args.impl or IMPLS, args.repeats, args.min_time, args.seed))
         if bar is not None:
             bar.update()
     if bar is not None:

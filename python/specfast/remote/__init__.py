@@ -6,6 +6,13 @@ it with ``python -m grpc_tools.protoc -I python --python_out=python
 Needs ``pip install specfast[remote]`` (grpcio, protobuf).
 """
 
+try:
+    import google.protobuf  # noqa: F401
+    import grpc  # noqa: F401
+except ImportError as exc:
+    raise ImportError(f"specfast.remote needs grpcio and protobuf: pip install "
+                      f"'specfast[remote]' ({exc})") from exc
+
 from .client import RemoteDrafter, RemoteError, TransferStats
 from .server import VERSION, serve
 
