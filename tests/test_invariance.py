@@ -223,6 +223,50 @@ def test_a_pool_that_cannot_start_keeps_the_setting_in_force():
     assert "refused: specfast.set_num_threads" in proc.stdout and "ok" in proc.stdout
 
 
+def _cpu_cgroup():
+    """A new cgroup v1 cpu folder to run a process in, or None where none can be made."""
+    base = Path("/sys/fs/cgroup/cpu")
+    if not (base / "cpu.cfs_quota_us").exists():
+        return None
+    path = base / f"specfast-test-{os.getpid()}"
+    try:
+        path.mkdir()
+    except OSError:
+        return None
+    return path
+
+
+def test_default_threads_follow_a_cpu_quota():
+    """A container's CPU limit (docker --cpus 0.5: a cgroup quota) leaves every host
+    core in the affinity; the pool started a thread per core, spinning against the
+    quota. The default now takes the quota, rounded up; an explicit count stays."""
+    group = _cpu_cgroup()
+    if group is None:
+        pytest.skip("no cgroup v1 cpu folder can be made here (needs root)")
+    code = ("import specfast; n = specfast.get_num_threads(); specfast.set_num_threads(3); "
+            "print(n, specfast.get_num_threads())")
+    try:
+        def run_in(quota):
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+            proc = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+            assert proc.returncode == 0, proc.stderr
+            return [int(v) for v in proc.stdout.split()]
+
+        cores = len(os.sched_getaffinity(0))
+        try:
+            unlimited = run_in(-1)
+        except (OSError, subprocess.SubprocessError) as exc:  # cannot move a process there
+            pytest.skip(f"cannot run a process in a new cgroup: {exc}")
+        assert unlimited == [min(cores, 256), 3]
+        assert run_in(50000) == [1, 3]  # half a core of the 100 ms period
+        if cores > 2:
+            assert run_in(150000) == [2, 3]
+    finally:
+        group.rmdir()
+
+
 def _pool_tasks():
     return set(os.listdir("/proc/self/task"))
 

@@ -10,7 +10,9 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -71,11 +73,87 @@ static int process_cores(cpu_set_t *set) {
     return sched_getaffinity(getpid(), sizeof *set, set) == 0 && CPU_COUNT(set) > 0;
 }
 
+/* Up to two numbers from dir/name: how many were read. */
+static int read_numbers(const char *dir, const char *name, long long *a, long long *b) {
+    char file[1100];
+    snprintf(file, sizeof file, "%s/%s", dir, name);
+    FILE *f = fopen(file, "r");
+    if (!f) return 0;
+    const int n = fscanf(f, "%lld %lld", a, b);
+    fclose(f);
+    return n < 0 ? 0 : n;
+}
+
+/* The CPU quota of a cgroup folder and its parents up to the mount, in cores
+ * rounded up (0: none): v2 cpu.max "quota period" ("max ..." is none), v1
+ * cpu.cfs_quota_us (-1 is none) over cpu.cfs_period_us. The tightest holds. */
+static int quota_in(const char *mount, const char *path, int v2) {
+    char dir[1024];
+    if (snprintf(dir, sizeof dir, "%s%s", mount, path) >= (int)sizeof dir) return 0;
+    int best = 0;
+    for (;;) {
+        long long q = 0, p = 0, unused;
+        const int found = v2 ? read_numbers(dir, "cpu.max", &q, &p) == 2
+                             : read_numbers(dir, "cpu.cfs_quota_us", &q, &unused) >= 1 &&
+                                   read_numbers(dir, "cpu.cfs_period_us", &p, &unused) >= 1;
+        if (found && q > 0 && p > 0) {
+            const long long n = (q + p - 1) / p;
+            const int cores = n > 1 << 20 ? 1 << 20 : (int)n;
+            if (!best || cores < best) best = cores;
+        }
+        char *slash = strrchr(dir, '/');
+        if (!slash || (size_t)(slash - dir) < strlen(mount)) break;
+        *slash = '\0';
+    }
+    return best;
+}
+
+/* Whether a v1 hierarchy's controller list ("cpu,cpuacct") holds cpu. */
+static int has_cpu(const char *list) {
+    for (const char *c = list; c; c = strchr(c, ',') ? strchr(c, ',') + 1 : NULL)
+        if (strncmp(c, "cpu", 3) == 0 && (c[3] == ',' || c[3] == '\0')) return 1;
+    return 0;
+}
+
+/* A container's CPU limit (docker --cpus, a Kubernetes limit): its affinity
+ * still shows every core of the host, and a thread per core would spin
+ * against the quota. 0: no quota found. */
+static int quota_cores(void) {
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    if (!f) return 0;
+    char line[1024];
+    int best = 0;
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = '\0';
+        char *ctrl = strchr(line, ':'), *path = ctrl ? strchr(ctrl + 1, ':') : NULL;
+        if (!path) continue;
+        *path++ = '\0';
+        ctrl++;
+        int n = 0;
+        if (!*ctrl) { /* v2: unified at /sys/fs/cgroup, or beside v1 in unified/ */
+            n = quota_in("/sys/fs/cgroup", path, 1);
+            if (!n) n = quota_in("/sys/fs/cgroup/unified", path, 1);
+        } else if (has_cpu(ctrl)) { /* v1: mounted under its controllers' names */
+            char mount[300];
+            snprintf(mount, sizeof mount, "/sys/fs/cgroup/%s", ctrl);
+            n = quota_in(mount, path, 0);
+            if (!n) n = quota_in("/sys/fs/cgroup/cpu", path, 0);
+        }
+        if (n && (!best || n < best)) best = n;
+    }
+    fclose(f);
+    return best;
+}
+
+/* Read once: every call asks (under call_lock), the files cost syscalls. */
+static int cgroup_cores = -1;
+
 static int core_count(void) {
     cpu_set_t set;
-    if (process_cores(&set)) return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int)n : 1;
+    long n = process_cores(&set) ? CPU_COUNT(&set) : sysconf(_SC_NPROCESSORS_ONLN);
+    if (n < 1) n = 1;
+    if (cgroup_cores < 0) cgroup_cores = quota_cores();
+    return cgroup_cores && cgroup_cores < n ? cgroup_cores : (int)n;
 }
 
 static int wanted_threads(void) {

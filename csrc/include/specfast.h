@@ -215,7 +215,8 @@ SF_API sf_status sf_kv_compact(const sf_kv_cache *cache, const int32_t *nodes,
                                const int64_t *root_slot, sf_error *err);
 
 /* Threads used by the calls: n >= 1 (at most 256), or 0 for one per core of
- * the process (the main thread's affinity). SF_ERR_THREADS where they cannot
+ * the process (the main thread's affinity, at most its cgroup CPU quota
+ * rounded up). SF_ERR_THREADS where they cannot
  * start: the setting before stays; a call runs alone where its pool cannot start. */
 SF_API sf_status sf_set_num_threads(int n);
 SF_API int sf_get_num_threads(void);
