@@ -14,6 +14,7 @@ capture, a host tensor refused as not on the device) is skipped.
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -333,6 +334,37 @@ def test_device_num_draft_and_max_draft(rng):
     gpu = _cuda.verify(to_torch(logits), to_torch(tokens), to_torch(nd),
                        max_draft=int(nd.max()), check=True, **ckw)
     assert_same(cpu, gpu, "device num_draft")
+
+
+@pytest.mark.parametrize("finite", [20, 4097, 4098, 6000], ids=lambda f: f"finite{f}")
+@pytest.mark.parametrize("top_k", [4097, 5000])
+def test_a_large_top_k_cuts_as_on_cpu(top_k, finite, rng):
+    """Past 4096 the CPU finds top-k by a scan and CUDA by a radix select: both cut the
+    row where it has top_k finite logits (q not summed then) and neither where it has
+    fewer, also where the tokens past the weighted ones all weigh 0 (1000 below the
+    max). q sums to 0.9, an error only where the row is not cut."""
+    vocab = 6000
+    x = np.full((3, vocab), -np.inf, np.float32)
+    x[:, :finite] = -1000.0
+    x[:, :20] = rng.standard_normal((3, 20))
+    x[0, 1] = -np.inf  # node 0's draft: rejected, the residual formed for node 1
+    q = np.full((2, vocab), 0.9 / vocab, np.float32)
+    cut = np.isfinite(x[0]).sum() >= top_k  # finite - 1 in the row formed whole
+    tokens, nd, parents = np.array([1, 2], np.int32), np.array([2]), np.array([-1, -1], np.int32)
+    for method in METHODS:
+        kw = dict(method=method, parents=parents, top_k=top_k, seed=7)
+        try:
+            cpu = sf.verify(x, tokens, nd, draft_probs=q, **kw)
+        except ValueError as exc:
+            assert not cut and method == "rejection", exc
+            with pytest.raises(ValueError, match=re.escape(str(exc))):
+                _cuda.verify(to_torch(x), to_torch(tokens), nd, draft_probs=to_torch(q),
+                             check=True, **dict(kw, parents=to_torch(parents)))
+            continue
+        assert cut or method == "coupled"
+        gpu = _cuda.verify(to_torch(x), to_torch(tokens), nd, draft_probs=to_torch(q),
+                           check=True, **dict(kw, parents=to_torch(parents)))
+        assert_same(cpu, gpu, f"{method} top_k {top_k} finite {finite}")
 
 
 def test_errors_are_reported(rng):

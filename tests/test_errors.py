@@ -401,6 +401,28 @@ def test_malformed_dense_draft_probs_at_a_kept_token_under_a_filter(filt, value)
     raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
 
 
+def test_a_large_top_k_is_a_filter_for_the_sum_check():
+    """Any top_k below the vocabulary cuts the row, so q's sum is not checked where a
+    residual is formed whole: top_k past 4096 (the kernel's scan, not its reservoir)
+    too, where the tokens not kept all weigh 0 (logits 1000 below the max), and the
+    tokens drawn are the same whatever top_k past the weighted ones."""
+    vocab = 6000
+    rng = np.random.default_rng(5)
+    logits = np.full((3, vocab), -1000.0, np.float32)
+    logits[:, :20] = rng.standard_normal((3, 20))
+    logits[0, 1] = -np.inf  # node 0's draft: rejected, the residual formed for node 1
+    q = np.full((2, vocab), 0.9 / vocab, np.float32)  # sums to 0.9
+    q[:, 1] = 0.0
+    kw = dict(target_logits=logits, draft_tokens=np.array([1, 2], np.int32),
+              num_draft=np.array([2], np.int32), parents=np.array([-1, -1], np.int32),
+              draft_probs=q)
+    for seed in range(4):
+        got = {k: sf.verify(**kw, top_k=k, seed=seed).tokens.tolist()
+               for k in (50, 4000, 4097, 5000, vocab - 1)}
+        assert len(set(map(str, got.values()))) == 1, got
+    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+
+
 MASS_ONE = 1 << 40
 MASS_TOL = MASS_ONE // 1000
 

@@ -231,8 +231,10 @@ static void mass_above(const sf_kernels *k, const sf_row *r, float t, int32_t id
  * few tokens lie between the pivots, then sorts just those. Counts and masses
  * are exact integers, so the cut is the same whatever the order of the
  * passes. Tokens below max - 128 / c weigh 0 (2^-128 of the max): a cut
- * among them changes no probability, so a count reaching below there keeps
- * the whole row. */
+ * among them changes no probability, so a count reaching below there cuts
+ * at that floor; it still cuts (a cut reads q only at kept tokens, and does
+ * not check its sum) where the row has goal_count finite logits, as the
+ * reservoir's cut and CUDA's do. */
 static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
                           double goal_mass, int64_t goal_count) {
     float lo = r->max - 128.0f / r->c;
@@ -240,7 +242,16 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
     uint64_t m_hi = 0, m_mid;
     int64_t c_lo, c_hi = 0, c_mid;
     mass_above(k, r, lo, INT32_MAX, &m_mid, &c_lo);
-    if (goal_count > 0 && c_lo <= goal_count) return SF_OK;
+    if (goal_count > 0 && c_lo <= goal_count) {
+        int64_t finite = c_lo;
+        if (c_lo < goal_count && lo > -FLT_MAX)
+            mass_above(k, r, -FLT_MAX, INT32_MAX, &m_mid, &finite);
+        if (finite >= goal_count) {
+            r->cut_logit = lo;
+            r->cut_id = INT32_MAX;
+        }
+        return SF_OK;
+    }
     float hi = INFINITY;
     for (;;) {
         float mid = hi == INFINITY ? r->max : lo * 0.5f + hi * 0.5f;
