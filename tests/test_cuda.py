@@ -410,6 +410,25 @@ def test_bad_params_are_refused_as_on_cpu(kw):
     assert str(gpu.value).startswith(name) and str(cpu.value).startswith(name)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, np.int64], ids=str)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_draft_probs_of_integers_are_refused_as_on_cpu(dtype, sparse):
+    """q of ints or bools is a TypeError on both backends (CUDA cast it to float)."""
+    x = np.zeros((4, 40), np.float32)
+    tokens, nd = np.array([1, 2], np.int32), np.array([1, 1])
+    q = np.zeros((2, 40 if not sparse else 3))
+    q = torch.from_numpy(q).to(dtype) if isinstance(dtype, torch.dtype) else q.astype(dtype)
+    ids = np.tile(np.arange(3, dtype=np.int32), (2, 1))
+    with pytest.raises(TypeError) as cpu:
+        sf.verify(x, tokens, nd, draft_probs=sf.SparseProbs(ids, q) if sparse else q)
+    cq = (to_torch(ids), q if isinstance(q, torch.Tensor) else to_torch(q)) if sparse else q
+    with pytest.raises(TypeError) as gpu:
+        _cuda.verify(to_torch(x), to_torch(tokens), nd, draft_probs=cq, check=True)
+    name = "SparseProbs values" if sparse else "draft_probs"
+    assert str(gpu.value).startswith(f"{name} must hold floats")
+    assert str(cpu.value).startswith(f"{name} must hold floats")
+
+
 BAD_LOGITS = 4 | 2 << 8  # SF_ERR_LOGITS, met while running
 
 

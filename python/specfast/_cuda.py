@@ -158,6 +158,14 @@ def _dtype_kind(value, name):
     return a.shape, a.dtype, a.dtype.kind
 
 
+def _floats(value, name):
+    """Probabilities must be floats, as on the CPU (ints and bools were cast)."""
+    _, dt, kind = _dtype_kind(value, name)
+    if kind != "f" and getattr(dt, "name", None) != "bfloat16":
+        raise TypeError(f"{name} must hold floats, got dtype {dt}")
+    return value
+
+
 def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
     """An sf_cuda_params: Python scalars by value, arrays as device tensors, refused
     where the CPU backend refuses them (the same scalar rules, shapes and dtypes)."""
@@ -370,7 +378,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         ids, vals = ((draft_probs.indices, draft_probs.values)
                      if isinstance(draft_probs, SparseProbs) else draft_probs)
         ids = _on_device(ids, torch.int32, dev, "SparseProbs indices", 2)
-        vals = _on_device(vals, torch.float32, dev, "SparseProbs values", 2)
+        vals = _on_device(_floats(vals, "SparseProbs values"), torch.float32, dev,
+                          "SparseProbs values", 2)
         if ids.shape != vals.shape or ids.shape[0] != n or ids.shape[1] < 1:
             raise ValueError(
                 f"sparse draft_probs must be two ({n}, K) arrays, got {tuple(ids.shape)} "
@@ -380,7 +389,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         d.kind, d.sparse_k = 2, ids.shape[1]
         d.sparse_ids, d.sparse_probs = _ptr(ids), _ptr(vals)
     else:
-        q = _on_device(draft_probs, torch.float32, dev, "draft_probs", 2)
+        q = _on_device(_floats(draft_probs, "draft_probs"), torch.float32, dev, "draft_probs", 2)
         if tuple(q.shape) != (n, vocab):
             raise ValueError(f"draft_probs must have shape ({n}, {vocab}), got {tuple(q.shape)}")
         keep.append(q)
