@@ -471,27 +471,47 @@ def test_acceptance_rate_catches_always_reject(rng):
     assert np.asarray(res.num_accepted).mean() > 2.5
 
 
-@pytest.mark.parametrize("case", ["batch", "lone", "top_k"])
+# A cut of the filters found by the reservoir (top_k <= 4096), by the scan past it
+# (top_k 5000 of 6000), or from the kept mass (top_p, min_p), at a temperature != 1.
+_BOUND_CASES = {
+    "batch": (2000, {}), "lone": (70_000, {}), "top_k": (2000, {"top_k": 500}),
+    "top_k_scan": (6000, {"top_k": 5000, "temperature": 1.1}),
+    "top_p": (2000, {"top_p": 0.9, "temperature": 0.9}),
+    "min_p": (2000, {"min_p": 0.002, "temperature": 1.2}),
+}
+
+
+@pytest.mark.parametrize("case", list(_BOUND_CASES))
 @pytest.mark.parametrize("kind", ["none", "dense"])
 def test_acceptance_decided_from_a_mass_bound_is_exact(kind, case, rng):
     """Most acceptances are decided from an upper bound on the row's mass (about
     6% loose on a flat row; split across threads for a lone request; with a
     cut of the filters) before the exact pass: the acceptance
     rate must still be min(1, p(x) / q(x)) exactly, on rows where the bound is
-    loosest (a wide flat tail) and u q(x) often lands in its slack."""
-    vocab, batch, calls = (70_000, 1, 30_000) if case == "lone" else (2000, 4000, 10)
+    loosest (a wide flat tail) and u q(x) often lands in its slack. (A bound
+    taken 3% tighter than it is fails the top_p case; a reference sum's margin
+    of 0.95 fails the batch and lone cases.)"""
+    vocab, params = _BOUND_CASES[case]
+    batch = 1 if case == "lone" else 8_000_000 // vocab
+    calls = 30_000 if case == "lone" else -(-40_000 // batch)
     row = rng.standard_normal(vocab).astype(np.float32) * 0.5
     x = 7
     row[x] = np.log(np.exp(row).sum() - np.exp(row[x])) + np.log(0.45 / 0.55)  # p(x) ~ 0.45
-    params = {"top_k": 500} if case == "top_k" else {}
+    if "top_p" in params or "min_p" in params:
+        params = dict(params)
+        params["top_p"], params["min_p"] = safe_params(
+            row[None], params["temperature"], 0, params.get("top_p", 1.0), params.get("min_p", 0.0))
     p_x = ref_probs(as_f64(row[None]), **params)[0, x]
+    kept = np.count_nonzero(ref_probs(as_f64(row[None]), **params)[0])
+    assert params == {} or 1 < kept < vocab - 100  # the filter cuts the tail, not the row
     logits = np.tile(row, (2 * batch, 1))
     q = None
     want = p_x
     if kind == "dense":
-        q = np.full((batch, vocab), 0.4 / (vocab - 1), np.float32)
-        q[:, x] = 0.6
-        want = min(1.0, p_x / 0.6)
+        q_x = min(0.98, 1.3 * p_x)  # rejects 1 - 1 / 1.3 of the time
+        q = np.full((batch, vocab), (1 - q_x) / (vocab - 1), np.float32)
+        q[:, x] = q_x
+        want = p_x / float(np.float32(q_x))
     accepted = 0
     for c in range(calls):
         res = sf.verify(logits, np.full(batch, x, np.int32), np.ones(batch, np.int32),
