@@ -135,6 +135,26 @@ def test_sample_large_vocab(method, vocab, dtype, filters, rng):
     assert_counts(counts, np.append(p[cats], max(1 - p[cats].sum(), 0.0)), f"V={vocab} {f}")
 
 
+@pytest.mark.parametrize("vocab", [8, 3000], ids=lambda v: f"V={v}")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("method", METHODS)
+def test_min_p_keeps_tokens_just_above_its_edge(method, temperature, vocab, rng):
+    """Tokens a relative 0.5% and 2% above min_p * max(p) are drawn at their rate and
+    those as far below never are (min_p applies to the tempered probabilities; at
+    V = 3000 among a tail far below the edge, where the SIMD passes run)."""
+    min_p = 0.3
+    rel = np.array([1.0, 0.6, 1.005 * min_p, 0.995 * min_p, 1.02 * min_p, 0.98 * min_p, 0.1, 0.45])
+    x = np.full(vocab, -30.0, np.float32)
+    at = rng.choice(vocab, rel.size, replace=False)
+    x[at] = (temperature * np.log(rel)).astype(np.float32)  # p ∝ rel after the temperature
+    p = ref_probs_row(x, temperature=temperature, min_p=min_p)
+    assert np.count_nonzero(p) == 5 and p[at[3]] == 0 and p[at[2]] > 0
+    n = scaled(60_000)
+    tokens = sf.sample(np.repeat(x[None], n, axis=0), temperature=temperature, min_p=min_p,
+                       seed=17, position=np.arange(n), method=method)
+    assert_samples(tokens, p, f"min_p edge ({method}, T={temperature}, V={vocab})")
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sample_greedy_is_argmax(method, dtype, rng):
