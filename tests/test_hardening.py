@@ -5,6 +5,8 @@
   identical to serial calls (the C calls release the GIL and share one pool).
 - Fork: the pool survives fork (multiprocessing "fork" workers, and forks
   taken while another thread is inside a call).
+- Races on inputs: an array written by another thread during a call never
+  crashes it.
 - Limits: vocab 262144 and SF_MAX_VOCAB = 2^24 - 2^15, batch 4096, trees of 256
   nodes, chains of 64, SF_MAX_DRAFT = 1024 nodes per request; past a limit a
   ValueError, never a MemoryError; scratch memory stops growing once warm.
@@ -19,6 +21,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -248,6 +252,48 @@ def test_fork_while_another_thread_is_calling(rng, restore_threads):
         stop.set()
         th.join()
     assert np.array_equal(sf.sample(lg, seed=9, top_p=0.9), want)
+
+
+_RACE = """
+import sys, threading, time
+import numpy as np
+import specfast as sf
+
+L = np.zeros((4, 1000), np.float32)
+toks, nd = np.array([1, 2, 3], np.int32), np.array([3], np.int32)
+par = np.array([-1, 0, 1], np.int32)
+arr, at, good, bad = {  # an int32 array passed as it is, a valid value, an invalid one
+    "tokens": (toks, 0, 1, 2**31 - 1), "parents": (par, 2, 1, 2**30),
+    "num_draft": (nd, 0, 3, 1000), "tree_mask": (par, 2, 1, 2**30)}[sys.argv[1]]
+call = ((lambda: sf.tree_mask(par, nd)) if sys.argv[1] == "tree_mask"
+        else (lambda: sf.verify(L, toks, nd, parents=par, seed=1)))
+def writer():
+    while True:
+        arr[at] = bad
+        arr[at] = good
+threading.Thread(target=writer, daemon=True).start()
+sys.setswitchinterval(1e-6)
+t0, calls = time.time(), 0
+while time.time() - t0 < 1.5:
+    try:
+        call()
+    except ValueError:
+        pass
+    calls += 1
+print(calls)
+"""
+
+
+@pytest.mark.parametrize("case", ["tokens", "parents", "num_draft", "tree_mask"])
+def test_inputs_written_during_a_call_never_crash(case):
+    """Another thread writes an input array while a call reads it (the call releases
+    the GIL and takes int32 arrays as they are): each call checks and reads one copy,
+    so it returns or raises ValueError. Before, a value changed after its check
+    indexed past the row (verify) or the mask (tree_mask): exit 139 within 1 s."""
+    r = subprocess.run([sys.executable, "-c", _RACE, case], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert int(r.stdout) > 100
 
 
 # --------------------------------------------------------------------------------------

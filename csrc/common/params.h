@@ -28,6 +28,14 @@ static inline void sf_params_get(const sf_params *p, int64_t b, sf_rowparams *r)
     r->position = SF_PICK(p, position, b);
 }
 
+/* Request b's parameters, checked again as they are read: sf_params_check
+ * saw the caller's arrays, which another thread may write during the call. */
+static inline sf_status sf_params_load(const sf_params *p, int64_t b, sf_rowparams *r) {
+    sf_params_get(p, b, r);
+    return sf_params_ok(r->temperature, r->top_k, r->top_p, r->min_p) ? SF_OK
+                                                                       : SF_ERR_PARAM;
+}
+
 /* Checks the shape of `p` for `batch` requests and every value; on a bad
  * value sets *index to the request. */
 static inline sf_status sf_params_check(const sf_params *p, int64_t batch,

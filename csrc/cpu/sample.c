@@ -16,7 +16,7 @@ static sf_status sample_one(void *arg, int64_t b, sf_scratch *s) {
     const row_ctx *c = arg;
     const void *row = sf_row_ptr(c->logits, b);
     sf_rowparams p;
-    sf_params_get(c->params, b, &p);
+    if (sf_params_load(c->params, b, &p) != SF_OK) return SF_ERR_PARAM;
     if (p.temperature == 0.0f)
         return sf_row_greedy(c->k, row, c->logits->dtype, c->logits->vocab, &c->tokens[b]);
     sf_dist d = {.n_over = 0};
@@ -36,7 +36,7 @@ static sf_status probs_one(void *arg, int64_t b, sf_scratch *s) {
     const void *row = sf_row_ptr(c->logits, b);
     float *out = c->probs + b * vocab;
     sf_rowparams p;
-    sf_params_get(c->params, b, &p);
+    if (sf_params_load(c->params, b, &p) != SF_OK) return SF_ERR_PARAM;
     if (p.temperature == 0.0f) {
         int32_t t;
         sf_status st = sf_row_greedy(c->k, row, c->logits->dtype, vocab, &t);

@@ -1,5 +1,6 @@
 /* tree.c: what a server needs around a draft tree: its attention mask and
  * positions, and compacting the KV cache onto the accepted path. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "specfast.h"
@@ -13,17 +14,12 @@ SF_API sf_status sf_tree_mask(const int32_t *parents, const int32_t *num_draft,
     const int64_t width = max_draft + 1, words = (width + 31) / 32;
     int64_t node0 = 0;
     for (int64_t b = 0; b < batch; b++) {
+        /* Each value is read once, checked and used: another thread may write
+         * the caller's arrays during the call. */
         const int32_t n = num_draft[b];
         if (n < 0 || n > max_draft) {
             if (err) err->index = b;
             return SF_ERR_SHAPE;
-        }
-        for (int32_t i = 0; i < n; i++) {
-            int32_t p = parents ? parents[node0 + i] : i - 1;
-            if (p < -1 || p >= i) {
-                if (err) err->index = b;
-                return SF_ERR_PARENT;
-            }
         }
         uint8_t *m = mask ? mask + b * width * width : NULL;
         uint32_t *w = bits ? bits + b * width * words : NULL;
@@ -31,9 +27,14 @@ SF_API sf_status sf_tree_mask(const int32_t *parents, const int32_t *num_draft,
         if (m) memset(m, 0, (size_t)(width * width));
         if (w) memset(w, 0, (size_t)(width * words) * 4);
         for (int64_t t = 0; t <= n; t++) {
-            /* Token t's ancestors are its parent's plus itself: parents come
-             * first, so their rows are complete. */
-            int64_t parent = t == 0 ? -1 : (parents ? parents[node0 + t - 1] : t - 2) + 1;
+            /* Token t (node t - 1) has its parent's ancestors plus itself:
+             * parents come first, so their rows are complete. */
+            const int64_t p = t == 0 ? -2 : parents ? parents[node0 + t - 1] : t - 2;
+            if (t > 0 && (p < -1 || p >= t - 1)) {
+                if (err) err->index = b;
+                return SF_ERR_PARENT;
+            }
+            const int64_t parent = p + 1;
             if (m) {
                 if (parent >= 0) memcpy(m + t * width, m + parent * width, (size_t)width);
                 m[t * width + t] = 1;
@@ -65,27 +66,36 @@ SF_API sf_status sf_kv_compact(const sf_kv_cache *c, const int32_t *nodes,
     if (!empty && ((c->n_outer > 1 && !c->outer_stride) || (c->batch > 1 && !c->batch_stride) ||
         (c->n_inner > 1 && !c->inner_stride) || (c->seq_len > 1 && !c->seq_stride)))
         return SF_ERR_ARGUMENT;
-    /* Check every request before moving anything. */
+    /* The requests' paths, copied (another thread may write the caller's
+     * arrays during the call) and all checked before anything moves. */
+    if (c->batch > SF_MAX_BATCH || max_draft > SF_MAX_DRAFT) return SF_ERR_SHAPE;
+    int64_t *roots = malloc((size_t)c->batch * 8 + (size_t)(c->batch * (max_draft + 1)) * 4 + 8);
+    if (!roots) return SF_ERR_NO_MEMORY;
+    int32_t *n_at = (int32_t *)(roots + c->batch), *paths = n_at + c->batch;
     for (int64_t b = 0; b < c->batch; b++) {
-        const int32_t n = num_accepted[b];
-        const int32_t *path = nodes + b * max_draft;
-        int bad = n < 0 || n > max_draft || root_slot[b] < 0 ||
-                  (n > 0 && root_slot[b] >= c->seq_len);
-        /* root_slot + 1 + path < seq_len, written so that nothing overflows */
-        for (int32_t k = 0; k < n && !bad; k++)
+        const int32_t n = n_at[b] = num_accepted[b];
+        const int64_t root = roots[b] = root_slot[b];
+        int32_t *path = paths + b * max_draft;
+        int bad = n < 0 || n > max_draft || root < 0 || (n > 0 && root >= c->seq_len);
+        /* root + 1 + path < seq_len, written so that nothing overflows */
+        for (int32_t k = 0; k < n && !bad; k++) {
+            path[k] = nodes[b * max_draft + k];
             bad = path[k] < k || (k > 0 && path[k] <= path[k - 1]) ||
-                  path[k] >= c->seq_len - 1 - root_slot[b];
+                  path[k] >= c->seq_len - 1 - root;
+        }
         if (bad) {
+            free(roots);
             if (err) err->index = b;
             return SF_ERR_SHAPE;
         }
     }
     char *base = c->data;
     for (int64_t b = 0; b < c->batch; b++) {
-        const int32_t *path = nodes + b * max_draft;
-        for (int32_t k = 0; k < num_accepted[b]; k++) {
+        const int32_t *path = paths + b * max_draft;
+        const int64_t root = roots[b];
+        for (int32_t k = 0; k < n_at[b]; k++) {
             if (path[k] == k) continue; /* already in place */
-            const int64_t src = root_slot[b] + 1 + path[k], dst = root_slot[b] + 1 + k;
+            const int64_t src = root + 1 + path[k], dst = root + 1 + k;
             for (int64_t o = 0; o < c->n_outer; o++)
                 for (int64_t i = 0; i < c->n_inner; i++) {
                     char *row = base + o * c->outer_stride + b * c->batch_stride +
@@ -95,5 +105,6 @@ SF_API sf_status sf_kv_compact(const sf_kv_cache *c, const int32_t *nodes,
                 }
         }
     }
+    free(roots);
     return SF_OK;
 }

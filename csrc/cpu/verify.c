@@ -44,7 +44,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
     if (out_nodes)
         for (int64_t i = 0; i < c->out->max_draft; i++) out_nodes[i] = -1;
     sf_rowparams p;
-    sf_params_get(c->params, b, &p);
+    if (sf_params_load(c->params, b, &p) != SF_OK) return SF_ERR_PARAM;
 
     /* first[n + 1]: first child of node n (-1 = the root); next[n]: sibling. */
     int32_t *first = sf_scratch_get(s, SF_SLOT_TREE, (size_t)(2 * nd + 1) * 4);
@@ -229,14 +229,59 @@ static int has_duplicate(const int32_t *ids, int64_t n, int32_t *scratch) {
     return 0;
 }
 
-/* Checks everything that is cheap to check before any row is read. */
-static sf_status check_draft(const sf_draft *d, const sf_logits *l,
-                             int64_t *node_off, int64_t max_draft, int64_t *index,
-                             int32_t *scratch) {
+/* Copies of the caller's index arrays (num_draft, tokens, parents, sparse
+ * ids and probabilities) into one buffer (*mem, freed by the caller), to
+ * which d then points: what is checked is then what the requests read, even
+ * where another thread writes the caller's arrays during the call (Python
+ * releases the GIL: a token changed after its check indexed past the row). */
+static sf_status copy_draft(sf_draft *d, void **mem) {
+    const int64_t n = d->n, k = d->kind == SF_DRAFT_SPARSE ? d->sparse_k : 0;
+    const int64_t fixed = d->batch + n + (d->parents ? n : 0);
+    if (n > 0 && k > (INT64_MAX / 4 - fixed) / 2 / n) return SF_ERR_SHAPE;
+    int32_t *m = malloc((size_t)(fixed + 2 * n * k + 1) * 4);
+    if (!m) return SF_ERR_NO_MEMORY;
+    *mem = m;
+    memcpy(m, d->num_draft, (size_t)d->batch * 4);
+    d->num_draft = m;
+    m += d->batch;
+    memcpy(m, d->tokens, (size_t)n * 4);
+    d->tokens = m;
+    m += n;
+    if (d->parents) {
+        memcpy(m, d->parents, (size_t)n * 4);
+        d->parents = m;
+        m += n;
+    }
+    if (k > 0) {
+        memcpy(m, d->sparse_ids, (size_t)(n * k) * 4);
+        d->sparse_ids = m;
+        m += n * k;
+        memcpy(m, d->sparse_probs, (size_t)(n * k) * 4);
+        d->sparse_probs = (const float *)m;
+    }
+    return SF_OK;
+}
+
+/* Checks everything that is cheap to check before any row is read, on a copy
+ * of the index arrays (copy_draft) that d points to after an SF_OK. */
+static sf_status check_draft(sf_draft *d, const sf_logits *l, int64_t *node_off,
+                             int64_t max_draft, int64_t *index, int32_t *scratch,
+                             void **mem) {
     *index = -1;
-    if (d->batch < 0 || d->batch > SF_MAX_BATCH || d->n < 0) return SF_ERR_SHAPE;
+    if (d->batch < 0 || d->batch > SF_MAX_BATCH || d->n < 0 ||
+        d->n > d->batch * SF_MAX_DRAFT)
+        return SF_ERR_SHAPE;
     if ((d->n > 0 && !d->tokens) || (d->batch > 0 && !d->num_draft))
         return SF_ERR_ARGUMENT;
+    if (d->kind != SF_DRAFT_NONE && d->kind != SF_DRAFT_DENSE &&
+        d->kind != SF_DRAFT_SPARSE)
+        return SF_ERR_ARGUMENT;
+    if (d->kind == SF_DRAFT_DENSE && d->n > 0 && !d->dense) return SF_ERR_ARGUMENT;
+    if (d->kind == SF_DRAFT_SPARSE &&
+        (d->sparse_k < 1 || (d->n > 0 && (!d->sparse_ids || !d->sparse_probs))))
+        return SF_ERR_ARGUMENT;
+    sf_status st = copy_draft(d, mem);
+    if (st != SF_OK) return st;
     int64_t nodes = 0;
     for (int64_t b = 0; b < d->batch; b++) {
         int32_t nd = d->num_draft[b];
@@ -245,13 +290,6 @@ static sf_status check_draft(const sf_draft *d, const sf_logits *l,
         nodes += nd;
     }
     if (nodes != d->n || nodes + d->batch != l->rows) return SF_ERR_SHAPE;
-    if (d->kind == SF_DRAFT_DENSE && d->n > 0 && !d->dense) return SF_ERR_ARGUMENT;
-    if (d->kind == SF_DRAFT_SPARSE &&
-        (d->sparse_k < 1 || (d->n > 0 && (!d->sparse_ids || !d->sparse_probs))))
-        return SF_ERR_ARGUMENT;
-    if (d->kind != SF_DRAFT_NONE && d->kind != SF_DRAFT_DENSE &&
-        d->kind != SF_DRAFT_SPARSE)
-        return SF_ERR_ARGUMENT;
     for (int64_t b = 0; b < d->batch; b++) {
         const int64_t n0 = node_off[b];
         *index = b;
@@ -292,19 +330,23 @@ SF_API sf_status sf_verify(const sf_logits *logits, const sf_draft *draft,
     if (st == SF_OK && (draft->batch < 0 || draft->batch > SF_MAX_BATCH)) st = SF_ERR_SHAPE;
     if (st == SF_OK) st = sf_params_check(params, draft->batch, &index);
     int64_t *node_off = NULL;
+    void *copies = NULL;
+    sf_draft dr;
     if (st == SF_OK) {
-        node_off = malloc((size_t)(draft->batch > 0 ? draft->batch : 1) * sizeof *node_off);
-        int32_t *ids = draft->kind == SF_DRAFT_SPARSE && draft->sparse_k > 32
-                           ? malloc((size_t)draft->sparse_k * sizeof *ids) : NULL;
-        st = !node_off || (draft->kind == SF_DRAFT_SPARSE && draft->sparse_k > 32 && !ids)
+        dr = *draft;
+        node_off = malloc((size_t)(dr.batch > 0 ? dr.batch : 1) * sizeof *node_off);
+        int32_t *ids = dr.kind == SF_DRAFT_SPARSE && dr.sparse_k > 32
+                           ? malloc((size_t)dr.sparse_k * sizeof *ids) : NULL;
+        st = !node_off || (dr.kind == SF_DRAFT_SPARSE && dr.sparse_k > 32 && !ids)
                  ? SF_ERR_NO_MEMORY
-                 : check_draft(draft, logits, node_off, out->max_draft, &index, ids);
+                 : check_draft(&dr, logits, node_off, out->max_draft, &index, ids, &copies);
         free(ids);
     }
     if (st == SF_OK) {
-        verify_ctx c = {logits, draft, params, method, out, node_off, sf_cpu_kernels()};
-        st = sf_parallel_for(draft->batch, verify_one, &c, &index);
+        verify_ctx c = {logits, &dr, params, method, out, node_off, sf_cpu_kernels()};
+        st = sf_parallel_for(dr.batch, verify_one, &c, &index);
     }
+    free(copies);
     free(node_off);
     if (err) err->index = index;
     return st;
