@@ -429,6 +429,17 @@ def test_draft_probs_of_integers_are_refused_as_on_cpu(dtype, sparse):
     assert str(cpu.value).startswith(f"{name} must hold floats")
 
 
+def test_sparse_tensors_are_refused_by_layout_as_on_cpu():
+    """Sparse logits, tokens or q: the CPU's TypeError naming the layout."""
+    x, tokens, q = torch.zeros(2, 8), torch.tensor([1], dtype=torch.int32), torch.full((1, 8), 0.125)
+    for args in ([x.to_sparse(), tokens, q], [x, tokens.to_sparse(), q], [x, tokens, q.to_sparse()]):
+        with pytest.raises(TypeError, match="must be a dense tensor, got layout torch.sparse_coo"):
+            _cuda.verify(*(a.to(DEV) for a in args[:2]), torch.tensor([1]),
+                         draft_probs=args[2].to(DEV), check=True)
+    with pytest.raises(TypeError, match="must be a dense tensor"):
+        _cuda.sample(x.to_sparse().to(DEV), check=True)
+
+
 BAD_LOGITS = 4 | 2 << 8  # SF_ERR_LOGITS, met while running
 
 

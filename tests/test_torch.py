@@ -129,6 +129,25 @@ def test_torch_errors_are_python_errors():
         sf.verify(torch.randn(2, 8), torch.tensor([1.0]), torch.tensor([1], dtype=torch.int32))
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "mkldnn"])
+def test_sparse_and_mkldnn_tensors_are_refused_by_layout(layout):
+    """A tensor without strides is refused as such (it was 'must be float32, ...,
+    got dtype torch.float32', or torch's own RuntimeError for bfloat16)."""
+    make = {"sparse_coo": torch.Tensor.to_sparse, "sparse_csr": torch.Tensor.to_sparse_csr,
+            "mkldnn": torch.Tensor.to_mkldnn}[layout]
+    x = torch.randn(2, 8)
+    calls = [lambda: sf.probs(make(x)), lambda: sf.sample(make(x.bfloat16()), seed=1),
+             lambda: sf.verify(x, torch.tensor([1]), torch.tensor([1]),
+                               draft_probs=make(torch.full((1, 8), 0.125)))]
+    if layout != "mkldnn":  # mkldnn holds floats only
+        calls.append(lambda: sf.kv_compact(make(torch.zeros(1, 6, 2)), np.array([[2]]),
+                                           np.array([1]), 0, seq_axis=1))
+    for call in calls:
+        with pytest.raises(TypeError, match=f"must be a dense tensor, got layout .*{layout}"):
+            call()
+
+
 def test_negated_views_subclasses_and_foreign_dtypes(rng):
     """x.conj().imag is a float tensor whose memory holds -x (torch's negative
     bit): read as its values. A subclass of Tensor is a tensor (torch out, and

@@ -93,7 +93,15 @@ def _is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _strided(t, name):
+    """Refuses a sparse or mkldnn tensor, which has no strides to read."""
+    if t.layout != _torch().strided:
+        raise TypeError(f"{name} must be a dense tensor, got layout {t.layout} "
+                        "(call .to_dense())")
+
+
 def _torch_to_numpy(t, name):
+    _strided(t, name)
     if t.device.type != "cpu":
         raise NotImplementedError(
             f"{name} is on {t.device}; this build of specfast runs on CPU tensors only"
@@ -166,6 +174,7 @@ def _logits(x, name="target_logits"):
         if code is not None and 1 <= x.shape[1] <= _MAX_VOCAB:
             return x, code, x.shape[1]
     if _is_torch(x):
+        _strided(x, name)
         if str(x.dtype) == "torch.bfloat16":
             if x.device.type != "cpu":
                 _torch_to_numpy(x, name)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ._cdef import CDEF
 from ._api import (_MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array, _as_float,
-                   _first_bad_param, _method, _param_detail, _scalar, _torch)
+                   _first_bad_param, _method, _param_detail, _scalar, _strided, _torch)
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -99,9 +99,11 @@ def _on_device(x, dtype, dev, name, ndim=None):
     torch = _torch()
     ints = dtype in (torch.int32, torch.int64)
     if isinstance(x, torch.Tensor) and ints and not x.is_cuda and not x.is_floating_point():
+        _strided(x, name)
         x = x.detach().numpy()  # host integers: checked below as numpy's (torch has no
         # min of its unsigned types); a device tensor is taken unread, no sync
     if isinstance(x, torch.Tensor):
+        _strided(x, name)
         t = x.detach()
         if ints and t.is_floating_point() and t.numel():
             raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
@@ -122,6 +124,7 @@ def _on_device(x, dtype, dev, name, ndim=None):
 
 
 def _c_logits(x, name, keep):
+    _strided(x, name)
     torch = _torch()
     codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
     code = codes.get(x.dtype)

@@ -6,7 +6,7 @@ import operator
 
 import numpy as np
 
-from ._api import _MAX_DRAFT, _as_array, _int_array, _is_torch, _ptr, _torch
+from ._api import _MAX_DRAFT, _as_array, _int_array, _is_torch, _ptr, _strided, _torch
 from ._lib import check, ffi, lib
 
 
@@ -180,6 +180,7 @@ def kv_compact(cache, accepted_nodes, num_accepted, root_slot, *, batch_axis=0, 
     nodes, acc, roots = _paths(accepted_nodes, num_accepted, root_slot)
     batch = acc.shape[0]
     if _is_torch(cache):
+        _strided(cache, "kv_compact: cache")
         # torch moves a negated or conjugated view's entries (numpy has no view of them)
         if cache.device.type != "cpu" or cache.is_neg() or cache.is_conj():
             ba, sa = _axes(cache.dim(), batch_axis, seq_axis)
