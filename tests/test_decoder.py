@@ -607,7 +607,9 @@ def test_opt_positions_are_known_up_front():
     ([1, None, 3], TypeError, "token ids must all be ints"),
     ([1, "a"], TypeError, "token ids must all be ints"),
     ([[1.5, 2.0]], TypeError, "a prompt must be"),
-], ids=["none-in-ids", "str-in-ids", "float-ids"])
+    ([True, False, True], TypeError, "token ids must all be ints, got bool"),
+    ([[1, 2], [True]], TypeError, "a prompt must be"),
+], ids=["none-in-ids", "str-in-ids", "float-ids", "bool-ids", "bool-ids-in-a-batch"])
 def test_malformed_prompts_are_clear_errors(target, prompt, error, said):
     with pytest.raises(error, match=said):
         SpeculativeDecoder(target, NgramDrafter()).generate(prompt, 2)
@@ -630,3 +632,41 @@ def test_llama_cpp_select_renumbers_kept_rows_in_place():
     assert state.lengths == [6, 8]
     with pytest.raises(ValueError, match="ascending"):
         LlamaCppModel.select(fake, LlamaCppState([5, 6]), [1, 0])
+
+
+@pytest.mark.parametrize("tokens", [[1.7, 2.9], [True], np.array([1.0, 2.0])],
+                         ids=["floats", "bool", "float-array"])
+def test_drafted_tokens_that_are_not_ints_are_refused(target, tokens):
+    """A drafter is user code: float or bool ids are a TypeError, as sf.verify
+    makes them (they were cut to ints and verified)."""
+    class Odd(NgramDrafter):
+        def propose(self, contexts, ks, sampling):
+            return [Draft(list(tokens)[:k]) for k in ks]
+
+    with pytest.raises(TypeError, match="drafted token ids that are not ints"):
+        SpeculativeDecoder(target, Odd(), k=2).generate([1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("make, error, said", [
+    (lambda m: DraftLength(probe_k=-3), ValueError, "probe_k must be >= 0"),
+    (lambda m: DraftLength(window=0), ValueError, "window must be >= 1"),
+    (lambda m: DraftLength(probe_every=0), ValueError, "probe_every must be >= 1"),
+    (lambda m: DraftLength(decay=2), ValueError, r"decay must be in \[0.0, 1.0\]"),
+    (lambda m: DraftLength(margin=float("nan")), ValueError, "margin must be finite"),
+    (lambda m: DraftLength(prior_first=-0.1), ValueError, "prior_first must be in"),
+    (lambda m: DraftLength(max_k=2.5), TypeError, "max_k must be an int"),
+    (lambda m: ModelDrafter(m, sparse_top=-1), ValueError, "sparse_top must be >= 0"),
+    (lambda m: ModelDrafter(m, sparse_top=2.5), TypeError, "sparse_top must be an int"),
+    (lambda m: ModelDrafter(m, p_min=2.0), ValueError, "p_min must be in"),
+    (lambda m: NgramDrafter(candidates=-1), ValueError, "candidates must be >= 1"),
+    (lambda m: NgramDrafter(branches=2.5), TypeError, "branches must be an int"),
+    (lambda m: NgramDrafter(min_ngram=4), ValueError, "min_ngram <= max_ngram"),
+], ids=["probe_k", "window", "probe_every", "decay", "margin", "prior_first", "max_k",
+        "sparse_top-negative", "sparse_top-float", "p_min", "candidates", "branches",
+        "min_ngram"])
+def test_bad_settings_fail_where_they_are_given(draft_model, make, error, said):
+    """Settings of the length controller and the drafters are checked when they are
+    made (probe_k=-3 was a ZeroDivisionError after a whole generation; sparse_top=-1
+    a 'top_k=-1 is out of range' mid-way)."""
+    with pytest.raises(error, match=said):
+        make(draft_model)

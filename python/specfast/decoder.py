@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _api
-from .drafters import Draft, Drafter, Sampling
+from .drafters import Draft, Drafter, Sampling, check_arg
 
 
 # -- metrics ------------------------------------------------------------------
@@ -194,9 +194,16 @@ class DraftLength:
                  prior_next: float = 0.85, prior_weight: float = 2.0, decay: float = 0.9,
                  window: int = 24, probe_every: int = 4, probe_max: int = 32, probe_k: int = 1,
                  prior_slope: float = 0.02, margin: float = 1.1):
-        for name, v in (("fixed", fixed), ("max_k", max_k)):
-            if v is not None and (operator.index(v) < 0):
-                raise ValueError(f"DraftLength: {name} must be >= 0, got {v}")
+        for name, v, lo in (("fixed", fixed, 0), ("max_k", max_k, 0), ("window", window, 1),
+                            ("probe_every", probe_every, 1), ("probe_max", probe_max, 1),
+                            ("probe_k", probe_k, 0)):
+            if v is not None:
+                check_arg("DraftLength", name, v, lo, integer=True)
+        for name, v, hi in (("prior_first", prior_first, 1.0), ("prior_next", prior_next, 1.0),
+                            ("decay", decay, 1.0), ("prior_slope", prior_slope, float("inf"))):
+            check_arg("DraftLength", name, v, 0.0, hi)
+        for name, v in (("prior_weight", prior_weight), ("margin", margin)):
+            check_arg("DraftLength", name, v, 0.0, open_lo=True)
         # max_k bounds the adaptive length only: a fixed length is drafted whole
         self.fixed, self.max_k = fixed, max_k if fixed is None else max(max_k, fixed)
         self.prior_first, self.prior_next = prior_first, prior_next
@@ -808,6 +815,10 @@ def _checked(drafts, ks, n, target, drafter) -> list:
     out = []
     for d, k in zip(drafts, ks):
         d = d.head(k) if trees or d.parents is None else d.chain().head(k)
+        if not all(_is_id(t) for t in d.tokens):
+            kinds = sorted({type(t).__name__ for t in d.tokens if not _is_id(t)})
+            raise TypeError(f"{getattr(drafter, 'name', 'the drafter')} drafted token ids "
+                            f"that are not ints: {', '.join(kinds)}")
         tokens = [int(t) for t in d.tokens]
         if tokens and (min(tokens) < 0 or max(tokens) >= target.vocab_size):
             raise ValueError(f"{getattr(drafter, 'name', 'the drafter')} drafted token ids "
@@ -884,9 +895,14 @@ def _sampling(temperature, top_k, top_p, min_p, seed, method) -> Sampling:
     return Sampling(t, k, p, m, s, method)
 
 
+def _is_id(t) -> bool:
+    """Whether t is a token id: an int or numpy int, not a bool."""
+    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+
+
 def _ids(prompt):
     """A prompt of token ids (numpy ints included) as a list of ints, else None."""
-    if prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+    if prompt and all(_is_id(t) for t in prompt):
         return [int(t) for t in prompt]
     return None
 

@@ -23,6 +23,22 @@ from . import _api
 _DRAFT_SEED_SALT = 0x9E3779B97F4A7C15
 
 
+def check_arg(owner: str, name: str, value, lo: float, hi: float = float("inf"), *,
+              integer: bool = False, open_lo: bool = False):
+    """``value`` if it is a finite number in [lo, hi] ((lo, hi] with ``open_lo``; an
+    int with ``integer``), else a TypeError / ValueError naming ``owner``'s ``name``:
+    a bad setting fails where it is given, not steps into a generation."""
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise TypeError(f"{owner}: {name} must be {'an int' if integer else 'a number'}, "
+                        f"got {value!r}")
+    if not ((lo < value if open_lo else lo <= value) and value <= hi and np.isfinite(value)):
+        span = (f"in {'(' if open_lo else '['}{lo}, {hi}]" if hi != float("inf") else
+                f"{'' if integer else 'finite and '}{'>' if open_lo else '>='} {lo}")
+        raise ValueError(f"{owner}: {name} must be {span}, got {value!r}")
+    return value
+
+
 def draft_seed(seed: int, method: str) -> int:
     """The seed a drafter samples with: the target's own in coupled mode, an
     independent one in rejection mode."""
@@ -178,12 +194,15 @@ class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, candidates: int = 32,
                  max_match: int = 64, branches: int = 1, decay: float = 0.9,
                  resync: int = 4):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError("need 1 <= min_ngram <= max_ngram")
-        if branches < 1 or not 0.0 < decay < 1.0:
-            raise ValueError("need branches >= 1 and 0 < decay < 1")
-        if resync < -1:
-            raise ValueError(f"resync must be >= -1, got {resync}")
+        for name, v, lo in (("max_ngram", max_ngram, 1), ("min_ngram", min_ngram, 1),
+                            ("candidates", candidates, 1), ("max_match", max_match, 1),
+                            ("branches", branches, 1), ("resync", resync, -1)):
+            check_arg("NgramDrafter", name, v, lo, integer=True)
+        if min_ngram > max_ngram:
+            raise ValueError("NgramDrafter: need min_ngram <= max_ngram")
+        check_arg("NgramDrafter", "decay", decay, 0.0, 1.0, open_lo=True)
+        if decay == 1.0:
+            raise ValueError("NgramDrafter: decay must be in (0, 1), got 1.0")
         self.max_ngram, self.min_ngram, self.candidates = max_ngram, min_ngram, candidates
         self.max_match = max(max_match, max_ngram)
         self.branches, self.decay = branches, decay
@@ -394,8 +413,9 @@ class ModelDrafter(Drafter):
     deterministic = False
 
     def __init__(self, model, *, p_min: float = 0.0, sparse_top: int = 0, branches: int = 1):
-        if branches < 1:
-            raise ValueError("need branches >= 1")
+        check_arg("ModelDrafter", "branches", branches, 1, integer=True)
+        check_arg("ModelDrafter", "sparse_top", sparse_top, 0, integer=True)
+        check_arg("ModelDrafter", "p_min", p_min, 0.0, 1.0)
         if branches > 1 and not hasattr(model, "keep_paths"):
             raise ValueError(f"{type(model).__name__} runs chains only: trees need branches=1")
         self.model = model

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..decoder import _is_id
+
 
 def available() -> bool:
     try:
@@ -75,8 +77,8 @@ class LlamaCppModel:
 
     # -- text ---------------------------------------------------------------
     def encode(self, prompt) -> list:
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, (list, tuple)) and all(_is_id(t) for t in prompt):
+            return [int(t) for t in prompt]
         if not isinstance(prompt, str):  # chat messages
             # rendered as transformers renders templates (their whitespace
             # control, the special tokens they may name), so that both adapters
