@@ -254,6 +254,18 @@ def test_invalid_parameters(case, fn):
     raises(lambda: call(**{name: arr}), name)
 
 
+@pytest.mark.parametrize("name, value, shown", [
+    ("top_p", 1e-46, "top_p=1e-46 (float32 0.0)"),
+    ("temperature", 1e39, "temperature=1e+39 (float32 inf)"),
+    ("top_p", 1.5, "top_p=1.5, "),
+])
+def test_a_value_that_float32_rounds_out_of_range_says_so(name, value, shown):
+    """The rules hold for the float32 values the kernels read: a value that
+    rounds to 0 or inf is shown with its float32 value (1e-46 > 0 was refused
+    as breaking 0 < top_p)."""
+    raises(lambda: sf.sample(base_rows(), **{name: value}), re.escape(shown))
+
+
 @pytest.mark.parametrize("method", ["greedy", ["rejection"], None, 1], ids=str)
 @pytest.mark.parametrize("fn", ["verify", "sample"])
 def test_unknown_method(fn, method):

@@ -980,6 +980,8 @@ def test_sparse_probs_dense_rows():
     np.testing.assert_array_equal(q.dense(5), np.array([[0.25, 0, 0, 0, 0.75],
                                                         [0, 0.25, 0.5, 0.25, 0]], np.float32))
     assert q.dense(5).dtype == np.float32
+    with pytest.raises(ValueError, match=r"unused slot \(id -1\) holds a nonzero"):
+        sf.SparseProbs(np.array([[-1, 2]]), np.array([[0.5, 0.5]])).dense(4)  # verify refuses it
 
 
 def test_default_method_is_rejection(rng):

@@ -67,6 +67,9 @@ class SparseProbs:
             raise ValueError(f"SparseProbs.dense: ids must be in [-1, {vocab}) and vocab >= 1")
         if _repeats(idx):
             raise ValueError("SparseProbs.dense: a row repeats a token id")
+        if np.any((idx == -1) & (val != 0)):
+            raise ValueError("SparseProbs.dense: an unused slot (id -1) holds a nonzero "
+                             "probability")
         q = np.zeros((idx.shape[0], vocab), np.float32)
         rows, cols = np.nonzero(idx >= 0)
         q[rows, idx[rows, cols]] = val[rows, cols]
@@ -495,7 +498,13 @@ def _param_detail(param_values, index) -> str:
     shown = []
     for k, v in param_values.items():
         vv = _param_values(v)
-        shown.append(f"{k}={vv[0 if vv.size == 1 else index].item()!r}")
+        value = vv[0 if vv.size == 1 else index].item()
+        # The rules hold for the float32 values the kernels read: say where
+        # rounding to float32 made a value 0 or inf.
+        with np.errstate(over="ignore"):
+            as32 = float(np.float32(value)) if isinstance(value, float) else value
+        rounded = as32 != value and (as32 == 0 or np.isinf(as32))
+        shown.append(f"{k}={value!r}" + (f" (float32 {as32!r})" if rounded else ""))
     return f"{_PARAM_RULES}; got " + ", ".join(shown)
 
 
