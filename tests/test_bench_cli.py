@@ -67,6 +67,22 @@ def test_bench_command_tiny_grid(tmp_path, capsys):
     assert data["machine"]["cores"] >= 1
 
 
+@pytest.mark.parametrize("option, said", [
+    (["--seed", "-5"], "--seed: -5 is below 0"),
+    (["--min-time", "inf"], "--min-time: 'inf' is not a finite number"),
+    (["--vocab", "20000000"], "--vocab: 20000000 is outside"),
+    (["--max-gb", "nan"], "--max-gb: 'nan' is not a finite number"),
+    (["--max-gb", "0"], "--max-gb: 0.0 is not above 0"),
+])
+def test_bench_options_out_of_range_are_usage_errors(option, said, capsys):
+    """Said by argparse before any timing (they were tracebacks after the case
+    list, or an empty table for --max-gb nan)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--batch", "1", "--vocab", "100", "--no-progress", *option])
+    assert exc.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 def test_bench_command_plot_and_progress(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")

@@ -39,6 +39,7 @@ from typing import Callable
 
 import numpy as np
 
+from ._api import _MAX_VOCAB
 from .cli import count, number
 
 # ---------------------------------------------------------------------------------------
@@ -562,7 +563,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--batch", type=count(1), nargs="+", default=[1, 16, 64], metavar="B", help="requests")
     a("--draft-len", type=count(0, 1024), nargs="+", default=[4], metavar="K",
       help="draft tokens per request")
-    a("--vocab", type=count(1), nargs="+", default=[32000, 151936], metavar="V",
+    a("--vocab", type=count(1, _MAX_VOCAB), nargs="+", default=[32000, 151936], metavar="V",
       help="vocabulary")
     a("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
       help="of the target logits")
@@ -581,8 +582,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--threads", type=count(0), default=None,
       help="specfast threads (default and 0: one per core)")
     a("--torch-threads", type=count(1), default=None, help="torch threads (default: torch's)")
-    a("--max-gb", type=float, default=MAX_GB, help="skip cases with larger inputs")
-    a("--seed", type=int, default=0, help="of the synthetic inputs")
+    a("--max-gb", type=number(0, strict=True), default=MAX_GB,
+      help="skip cases with larger inputs")
+    a("--seed", type=count(0), default=0, help="of the synthetic inputs")
     a("--json", metavar="PATH", help="save the table (and the machine) as JSON")
     a("--plot", metavar="PATH", help="save a PNG of time against batch size")
     a("--no-progress", action="store_true", help="no progress bar")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 # name -> (module, help); each module has add_arguments(parser) and run(args).
@@ -35,12 +36,14 @@ def count(low, high=None):
 
 
 def number(low, strict=False):
-    """An argparse type: a float >= low (> low when strict)."""
+    """An argparse type: a finite float >= low (> low when strict)."""
     def parse(text):
         try:
             x = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if not (x > low if strict else x >= low):
             raise argparse.ArgumentTypeError(
                 f"{x} is not above {low:g}" if strict else f"{x} is below {low:g}")
