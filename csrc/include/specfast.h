@@ -16,6 +16,9 @@
  *   (absolute position, purpose, index): results do not depend on the batch,
  *   the order of requests, the number of threads or the SIMD level.
  * - The functions are thread safe; calls from many threads share one pool.
+ *   Index inputs (tokens, counts, parents, sparse ids, parameters) are
+ *   checked as they are used, so another thread writing them during a call
+ *   gives a status or a result, not a read out of bounds.
  */
 #ifndef SPECFAST_H
 #define SPECFAST_H
