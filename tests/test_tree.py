@@ -196,6 +196,8 @@ def test_kv_compact_rejects_paths_that_do_not_increase_or_overflow():
         specfast.kv_compact(cache, np.array([[2, 1]]), np.array([2]), np.array([0]), seq_axis=2)
     with pytest.raises(ValueError):
         specfast.kv_compact(cache, np.array([[0, 9]]), np.array([2]), np.array([0]), seq_axis=2)
+    with pytest.raises(ValueError, match=r"at most .* of 1024 nodes"):  # wider than verify's
+        specfast.kv_compact(cache, np.full((1, 1025), -1), np.array([0]), 0, seq_axis=2)
 
 
 def test_verify_then_compact_keeps_the_accepted_path():

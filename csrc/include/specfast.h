@@ -210,7 +210,8 @@ typedef struct sf_kv_cache {
  * chain would hold it: slot root_slot[b] + 1 + nodes[b][k] goes to
  * root_slot[b] + 1 + k for k < num_accepted[b], in place. nodes (batch,
  * max_draft) int32 is sf_verify's accepted_nodes; root_slot (batch,) int64 is
- * the slot of each tree's root token. Nodes must increase along the path and
+ * the slot of each tree's root token (batch <= SF_MAX_BATCH, max_draft <=
+ * SF_MAX_DRAFT). Nodes must increase along the path and
  * stay inside the cache (else SF_ERR_SHAPE); an axis of more than one entry
  * with stride 0 aliases its entries (SF_ERR_ARGUMENT). */
 SF_API sf_status sf_kv_compact(const sf_kv_cache *cache, const int32_t *nodes,

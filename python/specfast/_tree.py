@@ -6,7 +6,7 @@ import operator
 
 import numpy as np
 
-from ._api import _MAX_DRAFT, _as_array, _int_array, _is_torch, _ptr, _strided, _torch
+from ._api import _MAX_BATCH, _MAX_DRAFT, _as_array, _int_array, _is_torch, _ptr, _strided, _torch
 from ._lib import check, ffi, lib
 
 
@@ -95,6 +95,9 @@ def _paths(accepted_nodes, num_accepted, root_slot):
     acc = _int_array(num_accepted, "num_accepted", 1)
     if nodes.shape[0] != acc.shape[0]:
         raise ValueError("accepted_nodes and num_accepted disagree on the batch size")
+    if nodes.shape[1] > _MAX_DRAFT or acc.shape[0] > _MAX_BATCH:
+        raise ValueError(f"accepted_nodes of shape {nodes.shape}: at most {_MAX_BATCH} requests "
+                         f"of {_MAX_DRAFT} nodes, as verify returns them")
     return nodes, acc, _slots(root_slot, acc.shape[0])
 
 
