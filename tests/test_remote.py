@@ -612,10 +612,13 @@ def _edge_rows(rng, vocab, count):
     return rows
 
 
-def test_client_refuses_exactly_the_sums_verify_refuses():
-    """A dense q row the client lets through must not make verify raise (that would
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "topk"])
+def test_client_refuses_exactly_the_sums_verify_refuses(sparse):
+    """A q row the client lets through must not make verify raise (that would
     end the generation, not the session): near both edges of the 1e-3 tolerance,
-    the client's check agrees with verify's on every row."""
+    the client's check agrees with verify's on every row, dense rows summed as
+    fixed point, top-k ones in double (a top-k row summing to 1 + 1.00000002e-3
+    passed the fixed-point check and verify raised)."""
     import specfast as sf
     from specfast.remote.client import _check_probs
 
@@ -627,14 +630,17 @@ def test_client_refuses_exactly_the_sums_verify_refuses():
     outcomes = set()
     for row in _edge_rows(np.random.default_rng(7), vocab, 300):
         q = np.stack([row, other])
+        draft = q
+        if sparse:  # as the client builds it: every id, -1 where q is 0
+            draft = sf.SparseProbs(np.where(q > 0, np.arange(vocab), -1).astype(np.int32), q)
         try:
-            sf.verify(logits, np.array([0, 1]), np.array([2]), draft_probs=q,
+            sf.verify(logits, np.array([0, 1]), np.array([2]), draft_probs=draft,
                       parents=np.array([-1, -1]), seed=3)
             verify_ok = True
         except ValueError:
             verify_ok = False
         try:
-            _check_probs(q)
+            _check_probs(q, sparse=sparse)
             client_ok = True
         except RemoteError:
             client_ok = False

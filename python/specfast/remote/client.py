@@ -425,7 +425,7 @@ class RemoteDrafter(Drafter):
             if ids.max() >= self.vocab_size:
                 raise RemoteError("a top-k draft with ids outside the vocabulary")
             ids = np.where(vals > 0, ids, -1).astype(np.int32)  # unused slots
-            _check_probs(vals.reshape(n, self.top_k))
+            _check_probs(vals.reshape(n, self.top_k), sparse=True)
             if _api._repeats(ids.reshape(n, self.top_k)):
                 raise RemoteError("a top-k draft that repeats a token id")
             ids, vals = ids.reshape(n, self.top_k), vals.reshape(n, self.top_k)
@@ -451,14 +451,20 @@ def _floats(buf):
     return np.frombuffer(buf, "<f4")
 
 
-def _check_probs(rows):
+def _check_probs(rows, sparse=False):
     """Draft probabilities verify would refuse end the session (the fallback
     drafts), not the generation: finite, in [0, 1.001], rows summing to 1 as
-    verify sums them (dist.c's q_sum_off: floor(q 2^40) each, within 2^40 / 1000
-    of 2^40)."""
-    one = 1 << 40
-    if not (np.all(rows >= 0) and np.all(rows <= 1.001)):
+    verify sums them: a dense row as dist.c's q_sum_off (floor(q 2^40) each,
+    within 2^40 / 1000 of 2^40), a sparse one as verify.c's check_draft (in
+    double, in order, within 1e-3)."""
+    if not (np.all(rows >= 0) and np.all(rows <= np.float32(1.001))):
         raise RemoteError("draft probabilities outside [0, 1]")
-    mass = (rows * np.float32(one)).astype(np.uint64).sum(axis=1)
-    if not np.all((mass <= one + one // 1000) & (mass + one // 1000 >= one)):
+    if sparse:
+        total = np.cumsum(rows.astype(np.float64), axis=1)[:, -1]  # cumsum adds in order
+        ok = np.abs(total - 1.0) <= 1e-3
+    else:
+        one = 1 << 40
+        mass = (rows * np.float32(one)).astype(np.uint64).sum(axis=1)
+        ok = (mass <= one + one // 1000) & (mass + one // 1000 >= one)
+    if not np.all(ok):
         raise RemoteError("draft probabilities not summing to 1 (within 1e-3)")
