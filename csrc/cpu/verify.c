@@ -229,6 +229,11 @@ static int has_duplicate(const int32_t *ids, int64_t n, int32_t *scratch) {
     return 0;
 }
 
+static int32_t *copy_words(int32_t *dst, const void *src, int64_t count) {
+    if (count > 0) memcpy(dst, src, (size_t)count * 4); /* src may be NULL when 0 */
+    return dst;
+}
+
 /* Copies of the caller's index arrays (num_draft, tokens, parents, sparse
  * ids and probabilities) into one buffer (*mem, freed by the caller), to
  * which d then points: what is checked is then what the requests read, even
@@ -241,23 +246,18 @@ static sf_status copy_draft(sf_draft *d, void **mem) {
     int32_t *m = malloc((size_t)(fixed + 2 * n * k + 1) * 4);
     if (!m) return SF_ERR_NO_MEMORY;
     *mem = m;
-    memcpy(m, d->num_draft, (size_t)d->batch * 4);
-    d->num_draft = m;
+    d->num_draft = copy_words(m, d->num_draft, d->batch);
     m += d->batch;
-    memcpy(m, d->tokens, (size_t)n * 4);
-    d->tokens = m;
+    d->tokens = copy_words(m, d->tokens, n);
     m += n;
     if (d->parents) {
-        memcpy(m, d->parents, (size_t)n * 4);
-        d->parents = m;
+        d->parents = copy_words(m, d->parents, n);
         m += n;
     }
     if (k > 0) {
-        memcpy(m, d->sparse_ids, (size_t)(n * k) * 4);
-        d->sparse_ids = m;
+        d->sparse_ids = copy_words(m, d->sparse_ids, n * k);
         m += n * k;
-        memcpy(m, d->sparse_probs, (size_t)(n * k) * 4);
-        d->sparse_probs = (const float *)m;
+        d->sparse_probs = (const float *)copy_words(m, d->sparse_probs, n * k);
     }
     return SF_OK;
 }
