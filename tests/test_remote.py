@@ -726,6 +726,104 @@ def test_a_failing_drafter_ends_its_session_with_an_error():
         server.stop(0)
 
 
+def test_a_drafter_failing_at_connect_hands_over_to_the_fallback(target):
+    """A drafter that fails as its session starts (out of memory, say) ends the
+    session, not the generation (its Error is transient; it raised RemoteError)."""
+    class Broken(NgramDrafter):
+        def start(self, contexts, sampling):
+            raise RuntimeError("out of memory")
+
+    server, port = serve(lambda: Broken())
+    try:
+        replies = raw_session(port, [hello()])
+        assert replies[-1].error.transient and "out of memory" in replies[-1].error.message
+        d = remote(port, target, timeout=2.0)
+        out = SpeculativeDecoder(target, d, k=3).generate(PROMPTS[0], 12)
+        assert out.tokens == reference(target, PROMPTS[0], 12, temperature=0.0)
+        assert d.stats.sessions == 0 and d.stats.local_steps > 0
+        assert "drafter failed: RuntimeError: out of memory" in d.stats.failures[0]
+        refused = raw_session(port, [hello(version=2)])  # refused before the drafter starts
+        assert not refused[-1].error.transient  # a refusal of the settings stays one
+    finally:
+        server.stop(0)
+
+
+def test_a_client_that_stops_reading_is_closed_after_idle(target):
+    """A client that asks for drafts and never reads them fills the stream's window;
+    the session's worker blocked in sending was never freed (workers=1: every later
+    target was refused). It is closed after idle seconds."""
+    server, port = serve(lambda: NgramDrafter(), workers=1, idle=1.0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            B = 200
+
+            def flood():
+                h = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=48)
+                for _ in range(B):  # long repeats: every draft is k tokens
+                    h.requests.add(tokens=list(range(40)) * 30,
+                                   sampling=pb.Sampling(coupled=True))
+                yield pb.ToDrafter(hello=h)
+                for i in range(1, 60):  # ~200 KB of replies each, never read
+                    yield _step(i, [([], 1024)] * B)
+                time.sleep(60)
+
+            call = pb_grpc.DrafterStub(ch).Session(flood())  # its replies never read
+            time.sleep(1.0)
+            deadline = time.monotonic() + 20
+            while True:  # a target's session once the stalled one is closed
+                d = remote(port, target, timeout=2.0)
+                d.start([[1, 2, 3, 1, 2]], [Sampling()])
+                d.close()
+                if d.stats.sessions or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert d.stats.sessions == 1, d.stats.failures
+            call.cancel()
+    finally:
+        server.stop(0)
+
+
+def test_a_session_past_max_tokens_is_refused():
+    """Contexts grow the server's memory (and a model drafter's prefill): a session
+    may hold max_tokens tokens in all (a client appending 4M ids a step reached GBs)."""
+    server, port = serve(lambda: NgramDrafter(), max_tokens=100)
+    try:
+        ok = raw_session(port, [hello(), _step(1, [(list(range(40)), 2)]),
+                                _step(2, [(list(range(40)), 2)])])
+        assert [r.WhichOneof("msg") for r in ok] == ["welcome", "drafts", "drafts"]  # 85
+        over = raw_session(port, [hello(), _step(1, [(list(range(96)), 2)])])  # 101
+        assert "would hold 101 tokens, over this drafter's limit of 100" in \
+            over[-1].error.message
+        big = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=48)
+        for _ in range(3):
+            big.requests.add(tokens=[1] * 40, sampling=pb.Sampling(coupled=True))
+        assert "limit of 100" in raw_session(port, [pb.ToDrafter(hello=big)])[-1].error.message
+    finally:
+        server.stop(0)
+
+
+def test_reconnection_tries_back_off_while_they_fail(target):
+    """Each failed try may cost the whole timeout (a peer that hangs): tries come
+    after retry seconds, doubling while they fail (every retry seconds before: a
+    hung drafter cost 3x the generation's time)."""
+    server, port = serve(lambda: NgramDrafter())
+    server.stop(0)  # nothing listens there now: each try fails at once
+    d = remote(port, target, timeout=0.5, retry=0.05)
+    d.start([[1, 2, 3]], [Sampling()])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.6:
+        d.propose([[1, 2, 3]], [2], [Sampling()])
+        time.sleep(0.005)
+    # at 0.05, 0.1, 0.2, 0.4, 0.8 s apart: the start's try and 4 or 5 more (32 without)
+    assert 4 <= len(d.stats.failures) <= 7, d.stats.failures
+    d.close()
+
+
+def test_a_tls_root_that_is_not_pem_is_refused(target):
+    with pytest.raises(ValueError, match="PEM"):
+        remote(1, target, tls=b"not a certificate")
+
+
 def test_an_empty_token_is_refused(tmp_path):
     import subprocess
     import sys

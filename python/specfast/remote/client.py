@@ -10,8 +10,9 @@ dense rows).
 Faults never stop or change a generation: every wait is bounded, and while the
 drafter is unreachable, slow, restarted or gone, drafts come from a local
 fallback (the n-gram drafter by default, kept in step all along) and the
-connection is tried again every ``retry`` seconds, from the decoding step (a
-try waits at most ``timeout``); when it is back, a new session sends the full
+connection is tried again after ``retry`` seconds, from the decoding step (a
+try waits at most ``timeout``; the interval doubles, to 32 x ``retry``, while
+tries keep failing); when it is back, a new session sends the full
 contexts and drafting moves back to the remote side. The output does
 not depend on which drafter proposed (greedy and coupled), or stays exact
 because every draft carries the distribution it was drawn from (rejection).
@@ -37,7 +38,8 @@ PAYLOADS = {"tokens": pb.TOKENS, "topk": pb.TOP_K, "dense": pb.DENSE}
 
 
 class RemoteError(RuntimeError):
-    """The drafter refused the session (version, token, payload, message)."""
+    """The drafter refused the session (version, token, payload, message); a
+    drafter that failed on its side is a ConnectionError (tried again later)."""
 
 
 @dataclass
@@ -121,6 +123,8 @@ class _Stream:
         if isinstance(msg, Exception):
             raise ConnectionError(str(msg)) from msg
         if msg.WhichOneof("msg") == "error":
+            if msg.error.transient:  # the drafter failed, not our settings: try again later
+                raise ConnectionError(msg.error.message)
             raise RemoteError(msg.error.message)
         return msg
 
@@ -146,7 +150,8 @@ class RemoteDrafter(Drafter):
     fallback : Drafter or None
         Drafts while the remote drafter is away; default an n-gram drafter.
     retry : float
-        Seconds between reconnection attempts.
+        Seconds between reconnection attempts, doubling (up to 32 x) while
+        they keep failing.
     auth_token : str or None
         Sent at connect; the server refuses a session without the right one.
     tls : bytes or None
@@ -179,6 +184,10 @@ class RemoteDrafter(Drafter):
             raise ValueError(f"top_k must be in [1, {MAX_TOP_K}]")
         if not 0 <= lookahead <= MAX_DRAFT:
             raise ValueError(f"lookahead must be in [0, {MAX_DRAFT}]")
+        if tls is not None and (not isinstance(tls, bytes)
+                                or b"-----BEGIN CERTIFICATE-----" not in tls):
+            # grpc takes anything here, and every connection would then fail
+            raise ValueError("tls must be PEM certificate bytes (-----BEGIN CERTIFICATE-----)")
         self.address, self.payload, self.top_k = address, payload, top_k
         self.lookahead = lookahead
         self.vocab_size, self.timeout, self.retry = int(vocab_size), timeout, retry
@@ -199,6 +208,7 @@ class RemoteDrafter(Drafter):
         self.remote_name = None
         self._stream = None
         self._next_try = 0.0
+        self._failed = 0  # tries failed in a row
         self._contexts: list = []
         self._sampling: list = []
         self._new_session()
@@ -220,7 +230,7 @@ class RemoteDrafter(Drafter):
         self._sampling = list(sampling)
         self.stats = TransferStats()  # per generation
         self._close()
-        self._next_try = 0.0
+        self._next_try, self._failed = 0.0, 0
         self._connect(strict=True)
 
     def propose(self, contexts, ks, sampling):
@@ -307,6 +317,7 @@ class RemoteDrafter(Drafter):
                 raise
             return
         self._stream = stream
+        self._failed = 0
         self.remote_name = reply.welcome.drafter
         self.stats.sessions += 1
         self._new_session(len(c) for c in self._contexts)
@@ -314,7 +325,10 @@ class RemoteDrafter(Drafter):
     def _lost(self, why):
         self.stats.failures.append(f"{type(why).__name__}: {why}")
         self._close()
-        self._next_try = time.monotonic() + self.retry
+        # A peer that keeps failing (or hangs: each try then waits the whole
+        # timeout) is tried less and less often: retry, doubling to 32 x retry.
+        self._next_try = time.monotonic() + self.retry * 2 ** min(self._failed, 5)
+        self._failed += 1
 
     def _close(self):
         if self._stream is not None:

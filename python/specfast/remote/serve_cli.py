@@ -31,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=count(1), default=8,
                         help="sessions served at once; more are refused, not queued")
     parser.add_argument("--idle", type=number(0, strict=True), default=600.0,
-                        help="seconds a silent session is kept before it is closed")
+                        help="seconds a silent session (or a reply left unread) is kept "
+                             "before the session is closed")
+    parser.add_argument("--max-tokens", type=count(1), default=None,
+                        help="context tokens a session may hold, all its requests together "
+                             "(default 2^21)")
 
 
 def run(args) -> int:
@@ -75,7 +79,8 @@ def run(args) -> int:
 
     try:
         server, port = serve(make_drafter, args.host, args.port, auth_token=token, tls=tls,
-                             workers=args.workers, idle=args.idle)
+                             workers=args.workers, idle=args.idle,
+                             **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
     except (OSError, RuntimeError) as e:  # grpc: a bad address, a port in use, bad PEM
         raise SystemExit(f"cannot serve on {args.host}:{args.port}"
                          f"{' with this TLS certificate and key' if tls else ''}: {e}") from None

@@ -16,6 +16,7 @@ import hmac
 import logging
 import queue
 import threading
+import time
 from concurrent import futures
 
 import numpy as np
@@ -31,6 +32,7 @@ MAX_DRAFT = 1024  # the verifier's limit per request
 MAX_TOP_K = 1024
 MAX_BATCH = 1 << 16
 HELLO_WAIT = 10.0  # seconds from a stream's start to its hello
+MAX_TOKENS = 1 << 21  # context tokens a session may hold, all requests together
 log = logging.getLogger("specfast.remote")
 
 
@@ -83,7 +85,7 @@ def encode_draft(d, payload: int, top_k: int, vocab: int):
 class _Session:
     """One generation: the verified contexts, the sampling and a drafter."""
 
-    def __init__(self, hello, drafter):
+    def __init__(self, hello, drafter, max_tokens=MAX_TOKENS):
         if hello.version != VERSION:
             raise ProtocolError(f"protocol version {hello.version} is not supported "
                                 f"(this drafter speaks version {VERSION})")
@@ -104,6 +106,8 @@ class _Session:
         self.lookahead = hello.lookahead
         self.last = []  # the drafts of the last step, for the look-ahead
         self.payload, self.top_k = hello.payload, hello.top_k
+        self.max_tokens = max_tokens
+        self.held = 0  # context tokens held, all requests together
         self.contexts = [self._tokens(r.tokens, "prompt") for r in hello.requests]
         if any(not c for c in self.contexts):
             raise ProtocolError("hello: empty prompt")
@@ -120,6 +124,11 @@ class _Session:
         drafter.start([list(c) for c in self.contexts], self.sampling)
 
     def _tokens(self, tokens, what):
+        # The contexts' memory, and a model drafter's prefill, grow with them.
+        self.held += len(tokens)
+        if self.held > self.max_tokens:
+            raise ProtocolError(f"{what}: the session's contexts would hold {self.held} tokens, "
+                                f"over this drafter's limit of {self.max_tokens}")
         t = list(tokens)
         if t and (min(t) < 0 or max(t) >= self.ids):
             raise ProtocolError(f"{what}: token ids must be in [0, {self.ids})"
@@ -140,6 +149,7 @@ class _Session:
             if len(set(rows)) != len(rows) or max(rows) >= len(self.contexts):
                 raise ProtocolError("select: indices must be distinct and inside the batch")
             self.contexts = [self.contexts[r] for r in rows]
+            self.held = sum(len(c) for c in self.contexts)
             self.sampling = [self.sampling[r] for r in rows]
             self.drafter.select(rows)
         if len(st.updates) != len(self.contexts):
@@ -182,27 +192,58 @@ class _Session:
         return out
 
 
+class _Watchdog:
+    """Cancels a call whose reply has waited ``limit`` seconds to be sent: a
+    client that stops reading fills the window, and the session's generator
+    then blocks where no timeout of its own can end it."""
+
+    def __init__(self, context, limit):
+        self.since = None  # when the reply now waiting began to
+        self.done = threading.Event()
+        threading.Thread(target=self._watch, args=(context, limit), daemon=True).start()
+
+    def _watch(self, context, limit):
+        while not self.done.wait(min(1.0, limit / 4)):
+            since = self.since
+            if since is not None and time.monotonic() - since > limit:
+                log.warning("session closed: a reply unread for %g s", limit)
+                context.cancel()
+                return
+
+
 class DrafterService(pb_grpc.DrafterServicer):
     """The gRPC service; ``make_drafter()`` gives a fresh drafter per session."""
 
-    def __init__(self, make_drafter, auth_token: str | None = None, idle: float = 600.0):
+    def __init__(self, make_drafter, auth_token: str | None = None, idle: float = 600.0,
+                 max_tokens: int = MAX_TOKENS):
         self.make_drafter = make_drafter
         self.auth_token = auth_token
-        self.idle = idle  # seconds a session may stay silent before it is closed
+        self.idle = idle  # seconds a session may stay silent (or unread) before it is closed
+        self.max_tokens = max_tokens
         self.name = getattr(make_drafter(), "name", "drafter")
 
     def Session(self, request_iterator, context):  # noqa: N802 - gRPC's name
         # a reader thread, so that a step that has already arrived cancels the
-        # look-ahead it would make stale
-        inbox: queue.Queue = queue.Queue()
+        # look-ahead it would make stale; it reads one message ahead at most
+        # (what a client sends faster waits in gRPC's flow control, not here)
+        inbox: queue.Queue = queue.Queue(maxsize=1)
+        watchdog = _Watchdog(context, self.idle)
 
         def pump():
             try:
                 for m in request_iterator:
-                    inbox.put(m)
+                    while not watchdog.done.is_set():
+                        try:
+                            inbox.put(m, timeout=0.5)
+                            break
+                        except queue.Full:
+                            pass
             except Exception:  # the client went away
                 pass
-            inbox.put(None)
+            try:
+                inbox.put(None, timeout=1.0)
+            except queue.Full:  # the session ended first
+                pass
 
         threading.Thread(target=pump, daemon=True).start()
         session = None
@@ -219,6 +260,10 @@ class DrafterService(pb_grpc.DrafterServicer):
                     return
                 yield m
 
+        def reply(msg):
+            watchdog.since = time.monotonic()
+            return msg
+
         try:
             for msg in messages():
                 kind = msg.WhichOneof("msg")
@@ -229,32 +274,39 @@ class DrafterService(pb_grpc.DrafterServicer):
                             msg.hello.auth_token.encode(), self.auth_token.encode()):
                         raise ProtocolError("authentication failed")
                     drafter = self.make_drafter()
-                    session = _Session(msg.hello, drafter)
-                    yield pb.FromDrafter(welcome=pb.Welcome(
+                    session = _Session(msg.hello, drafter, self.max_tokens)
+                    yield reply(pb.FromDrafter(welcome=pb.Welcome(
                         version=VERSION, drafter=getattr(drafter, "name", "drafter"),
-                        deterministic=bool(drafter.deterministic)))
+                        deterministic=bool(drafter.deterministic))))
                 elif kind != "step":
                     raise ProtocolError("after hello only steps may follow")
                 else:
-                    yield pb.FromDrafter(drafts=session.advance(msg.step))
+                    yield reply(pb.FromDrafter(drafts=session.advance(msg.step)))
+                    watchdog.since = None
                     ahead = session.ahead() if inbox.empty() else None  # while the target verifies
                     if ahead is not None:
-                        yield pb.FromDrafter(drafts=ahead)
+                        yield reply(pb.FromDrafter(drafts=ahead))
+                watchdog.since = None
         except ProtocolError as e:
             log.warning("session refused: %s", e)
-            yield pb.FromDrafter(error=pb.Error(message=str(e)))
+            yield reply(pb.FromDrafter(error=pb.Error(message=str(e))))
         except Exception as e:  # the drafter's own failure: the client drafts locally
             log.exception("drafter failed")
-            yield pb.FromDrafter(error=pb.Error(message=f"drafter failed: {type(e).__name__}: {e}"))
+            yield reply(pb.FromDrafter(error=pb.Error(
+                message=f"drafter failed: {type(e).__name__}: {e}", transient=True)))
+        finally:
+            watchdog.done.set()
 
 
 def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=None,
           tls: tuple | None = None, workers: int = 8, max_message: int = MAX_MESSAGE,
-          idle: float = 600.0):
+          idle: float = 600.0, max_tokens: int = MAX_TOKENS):
     """Starts a server; returns ``(server, port)``. ``tls`` is ``(cert_pem, key_pem)``
     bytes. Binds to loopback unless told otherwise; a message over
     ``max_message`` bytes ends its stream (RESOURCE_EXHAUSTED); a session
-    silent for ``idle`` seconds is closed (each holds one of ``workers``)."""
+    silent for ``idle`` seconds, or whose client leaves a reply unread as long,
+    is closed (each holds one of ``workers``); one whose contexts would hold
+    more than ``max_tokens`` tokens in all is refused with an Error."""
     import grpc
 
     if auth_token is not None and not auth_token:
@@ -266,7 +318,8 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", max_message),
         ("grpc.so_reuseport", 0)])  # a port in use is an error, not a second server
-    pb_grpc.add_DrafterServicer_to_server(DrafterService(make_drafter, auth_token, idle), server)
+    pb_grpc.add_DrafterServicer_to_server(
+        DrafterService(make_drafter, auth_token, idle, max_tokens), server)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is not None:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
