@@ -64,6 +64,12 @@ def remote_options(args) -> dict:
         raise SystemExit(f"--drafter {args.drafter}: give remote:HOST:PORT")
     token = read_file(args.token_file, "--token-file").strip() if args.token_file else None
     tls = read_file(args.tls_ca, "--tls-ca", binary=True) if args.tls_ca else None
+    from .remote.client import check_tls_roots
+
+    try:
+        check_tls_roots(tls)
+    except ValueError:
+        raise SystemExit(f"--tls-ca {args.tls_ca}: not a PEM certificate") from None
     return dict(address=address, payload=args.payload, lookahead=args.lookahead,
                 auth_token=token, tls=tls)
 

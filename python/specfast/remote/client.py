@@ -184,10 +184,7 @@ class RemoteDrafter(Drafter):
             raise ValueError(f"top_k must be in [1, {MAX_TOP_K}]")
         if not 0 <= lookahead <= MAX_DRAFT:
             raise ValueError(f"lookahead must be in [0, {MAX_DRAFT}]")
-        if tls is not None and (not isinstance(tls, bytes)
-                                or b"-----BEGIN CERTIFICATE-----" not in tls):
-            # grpc takes anything here, and every connection would then fail
-            raise ValueError("tls must be PEM certificate bytes (-----BEGIN CERTIFICATE-----)")
+        check_tls_roots(tls)
         self.address, self.payload, self.top_k = address, payload, top_k
         self.lookahead = lookahead
         self.vocab_size, self.timeout, self.retry = int(vocab_size), timeout, retry
@@ -455,6 +452,14 @@ class RemoteDrafter(Drafter):
             if not np.all(probs[np.arange(n), tokens] > 0):
                 raise RemoteError("a dense draft whose token has probability 0")
         return Draft(tokens, probs, int(d.match), parents)
+
+
+def check_tls_roots(tls):
+    """Refuses root certificates that are not PEM: grpc takes anything, and
+    every connection would then fail, drafting locally without a word."""
+    if tls is not None and (not isinstance(tls, bytes)
+                            or b"-----BEGIN CERTIFICATE-----" not in tls):
+        raise ValueError("tls must be PEM certificate bytes (-----BEGIN CERTIFICATE-----)")
 
 
 def _floats(buf):
