@@ -651,7 +651,8 @@ def test_drafted_tokens_that_are_not_ints_are_refused(target, tokens):
     (lambda m: DraftLength(probe_k=-3), ValueError, "probe_k must be >= 0"),
     (lambda m: DraftLength(window=0), ValueError, "window must be >= 1"),
     (lambda m: DraftLength(probe_every=0), ValueError, "probe_every must be >= 1"),
-    (lambda m: DraftLength(decay=2), ValueError, r"decay must be in \[0.0, 1.0\]"),
+    (lambda m: DraftLength(decay=2), ValueError, r"decay must be in \(0.0, 1.0\]"),
+    (lambda m: DraftLength(decay=0.0), ValueError, r"decay must be in \(0.0, 1.0\]"),
     (lambda m: DraftLength(margin=float("nan")), ValueError, "margin must be finite"),
     (lambda m: DraftLength(prior_first=-0.1), ValueError, "prior_first must be in"),
     (lambda m: DraftLength(max_k=2.5), TypeError, "max_k must be an int"),
@@ -661,7 +662,7 @@ def test_drafted_tokens_that_are_not_ints_are_refused(target, tokens):
     (lambda m: NgramDrafter(candidates=-1), ValueError, "candidates must be >= 1"),
     (lambda m: NgramDrafter(branches=2.5), TypeError, "branches must be an int"),
     (lambda m: NgramDrafter(min_ngram=4), ValueError, "min_ngram <= max_ngram"),
-], ids=["probe_k", "window", "probe_every", "decay", "margin", "prior_first", "max_k",
+], ids=["probe_k", "window", "probe_every", "decay", "decay-0", "margin", "prior_first", "max_k",
         "sparse_top-negative", "sparse_top-float", "p_min", "candidates", "branches",
         "min_ngram"])
 def test_bad_settings_fail_where_they_are_given(draft_model, make, error, said):
@@ -670,3 +671,8 @@ def test_bad_settings_fail_where_they_are_given(draft_model, make, error, said):
     a 'top_k=-1 is out of range' mid-way)."""
     with pytest.raises(error, match=said):
         make(draft_model)
+
+
+def test_settings_at_their_edges_are_taken():
+    DraftLength(decay=1.0, probe_k=0, margin=10**400, prior_next=np.float32(1.0), window=np.int64(3))
+    NgramDrafter(max_match=10**20, decay=np.float64(0.5))

@@ -756,6 +756,7 @@ def test_a_client_that_stops_reading_is_closed_after_idle(target):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             B = 200
+            hold = threading.Event()
 
             def flood():
                 h = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=48)
@@ -765,27 +766,49 @@ def test_a_client_that_stops_reading_is_closed_after_idle(target):
                 yield pb.ToDrafter(hello=h)
                 for i in range(1, 60):  # ~200 KB of replies each, never read
                     yield _step(i, [([], 1024)] * B)
-                time.sleep(60)
+                hold.wait(60)
 
             call = pb_grpc.DrafterStub(ch).Session(flood())  # its replies never read
-            time.sleep(1.0)
-            deadline = time.monotonic() + 20
-            while True:  # a target's session once the stalled one is closed
-                d = remote(port, target, timeout=2.0)
-                d.start([[1, 2, 3, 1, 2]], [Sampling()])
-                d.close()
-                if d.stats.sessions or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            assert d.stats.sessions == 1, d.stats.failures
-            call.cancel()
+            try:
+                time.sleep(1.0)
+                deadline = time.monotonic() + 20
+                while True:  # a target's session once the stalled one is closed
+                    d = remote(port, target, timeout=2.0)
+                    d.start([[1, 2, 3, 1, 2]], [Sampling()])
+                    d.close()
+                    if d.stats.sessions or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.5)
+                assert d.stats.sessions == 1, d.stats.failures
+            finally:
+                hold.set()
+                call.cancel()
     finally:
         server.stop(0)
 
 
-def test_a_session_past_max_tokens_is_refused():
+def test_a_client_that_half_closes_ends_its_session_cleanly():
+    """Messages sent back to back, then the end of the stream, while the drafter is
+    busy: every step is answered and the session ends without an error (the end
+    of the stream was dropped when the one-message inbox was full)."""
+    class Slow(NgramDrafter):
+        def propose(self, contexts, ks, sampling):
+            time.sleep(1.2)
+            return super().propose(contexts, ks, sampling)
+
+    server, port = serve(lambda: Slow(), idle=30.0)
+    try:
+        replies = raw_session(port, [hello(), _step(1, [([], 2)]), _step(2, [([], 2)])],
+                              timeout=20.0)
+        assert [r.WhichOneof("msg") for r in replies] == ["welcome", "drafts", "drafts"]
+    finally:
+        server.stop(0)
+
+
+def test_a_session_past_max_tokens_is_refused(target):
     """Contexts grow the server's memory (and a model drafter's prefill): a session
-    may hold max_tokens tokens in all (a client appending 4M ids a step reached GBs)."""
+    may hold max_tokens tokens in all (a client appending 4M ids a step reached GBs).
+    Past it the client drafts locally: the Error is transient."""
     server, port = serve(lambda: NgramDrafter(), max_tokens=100)
     try:
         ok = raw_session(port, [hello(), _step(1, [(list(range(40)), 2)]),
@@ -797,7 +820,14 @@ def test_a_session_past_max_tokens_is_refused():
         big = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=48)
         for _ in range(3):
             big.requests.add(tokens=[1] * 40, sampling=pb.Sampling(coupled=True))
-        assert "limit of 100" in raw_session(port, [pb.ToDrafter(hello=big)])[-1].error.message
+        refused = raw_session(port, [pb.ToDrafter(hello=big)])[-1].error
+        assert "limit of 100" in refused.message and refused.transient
+        d = remote(port, target, timeout=2.0)  # prompts past it: drafted locally
+        try:
+            d.start([[1] * 120], [Sampling()])
+            assert d.stats.sessions == 0 and "limit of 100" in d.stats.failures[0]
+        finally:
+            d.close()
     finally:
         server.stop(0)
 
@@ -809,14 +839,42 @@ def test_reconnection_tries_back_off_while_they_fail(target):
     server, port = serve(lambda: NgramDrafter())
     server.stop(0)  # nothing listens there now: each try fails at once
     d = remote(port, target, timeout=0.5, retry=0.05)
-    d.start([[1, 2, 3]], [Sampling()])
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.6:
-        d.propose([[1, 2, 3]], [2], [Sampling()])
-        time.sleep(0.005)
-    # at 0.05, 0.1, 0.2, 0.4, 0.8 s apart: the start's try and 4 or 5 more (32 without)
-    assert 4 <= len(d.stats.failures) <= 7, d.stats.failures
-    d.close()
+    try:
+        d.start([[1, 2, 3]], [Sampling()])
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.6:
+            d.propose([[1, 2, 3]], [2], [Sampling()])
+            time.sleep(0.005)
+        # at 0.05, 0.1, 0.2, 0.4, 0.8 s apart: the start's try and 4 or 5 more (32 without)
+        assert 4 <= len(d.stats.failures) <= 7, d.stats.failures
+    finally:
+        d.close()
+
+
+def test_a_drafter_that_welcomes_then_hangs_is_tried_less_and_less(target):
+    """Backing off counts from the last drafted step, not the last welcome: a
+    drafter that answers hello and then never drafts was tried every retry s."""
+    release = threading.Event()
+
+    class Hung(NgramDrafter):
+        def propose(self, contexts, ks, sampling):
+            release.wait(10)
+            return super().propose(contexts, ks, sampling)
+
+    server, port = serve(lambda: Hung(), workers=16)
+    d = remote(port, target, timeout=0.3, retry=0.1)
+    try:
+        d.start([[1, 2, 3]], [Sampling()])
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:
+            d.propose([[1, 2, 3]], [2], [Sampling()])
+            time.sleep(0.005)
+        # tries at about 0, 0.4, 0.9, 1.6, 2.7 s (every 0.4 s, 8 of them, before)
+        assert 2 <= d.stats.sessions <= 5, d.stats.failures
+    finally:
+        release.set()
+        d.close()
+        server.stop(0)
 
 
 def test_a_tls_root_that_is_not_pem_is_refused(target):

@@ -200,15 +200,16 @@ class DraftLength:
             if v is not None:
                 check_arg("DraftLength", name, v, lo, integer=True)
         for name, v, hi in (("prior_first", prior_first, 1.0), ("prior_next", prior_next, 1.0),
-                            ("decay", decay, 1.0), ("prior_slope", prior_slope, float("inf"))):
+                            ("prior_slope", prior_slope, float("inf"))):
             check_arg("DraftLength", name, v, 0.0, hi)
-        for name, v in (("prior_weight", prior_weight), ("margin", margin)):
-            check_arg("DraftLength", name, v, 0.0, open_lo=True)
+        for name, v, hi in (("prior_weight", prior_weight, float("inf")), ("margin", margin,
+                            float("inf")), ("decay", decay, 1.0)):  # decay 0 forgets all: 0 / 0
+            check_arg("DraftLength", name, v, 0.0, hi, open_lo=True)
         # max_k bounds the adaptive length only: a fixed length is drafted whole
         self.fixed, self.max_k = fixed, max_k if fixed is None else max(max_k, fixed)
         self.prior_first, self.prior_next = prior_first, prior_next
         self.prior_weight, self.decay = prior_weight, decay
-        self.window = window
+        self.window = int(window)  # a deque's maxlen takes Python ints only
         self.probe_every, self.probe_max, self.probe_k = probe_every, probe_max, probe_k
         self.prior_slope = prior_slope
         self.margin = margin
@@ -217,7 +218,7 @@ class DraftLength:
         self._unmeasured = 0  # choices made without a measured plain step
         self._draft: dict = {}  # draft length -> recent seconds of proposing
         self._draft_line = None
-        self._fixed: deque = deque(maxlen=window)  # verify + other, per step
+        self._fixed: deque = deque(maxlen=self.window)  # verify + other, per step
         self._costs = None  # forward seconds by width, from _times
         self._req: list = []
 

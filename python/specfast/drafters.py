@@ -32,7 +32,8 @@ def check_arg(owner: str, name: str, value, lo: float, hi: float = float("inf"),
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise TypeError(f"{owner}: {name} must be {'an int' if integer else 'a number'}, "
                         f"got {value!r}")
-    if not ((lo < value if open_lo else lo <= value) and value <= hi and np.isfinite(value)):
+    finite = isinstance(value, (int, np.integer)) or np.isfinite(value)  # ints past float64 too
+    if not ((lo < value if open_lo else lo <= value) and value <= hi and finite):
         span = (f"in {'(' if open_lo else '['}{lo}, {hi}]" if hi != float("inf") else
                 f"{'' if integer else 'finite and '}{'>' if open_lo else '>='} {lo}")
         raise ValueError(f"{owner}: {name} must be {span}, got {value!r}")

@@ -314,7 +314,6 @@ class RemoteDrafter(Drafter):
                 raise
             return
         self._stream = stream
-        self._failed = 0
         self.remote_name = reply.welcome.drafter
         self.stats.sessions += 1
         self._new_session(len(c) for c in self._contexts)
@@ -411,6 +410,7 @@ class RemoteDrafter(Drafter):
                 raise RemoteError(f"{len(reply.drafts)} drafts for {len(ks)} requests")
             drafts = [self._decode(d, k) for d, k in zip(reply.drafts, ks)]
         self._last = [d.tokens if d.parents is None else None for d in drafts]
+        self._failed = 0  # a drafted step, not a welcome: a drafter may welcome, then hang
         self.stats.steps += 1
         self.stats.drafted += sum(len(d.tokens) for d in drafts)
         self.stats.round_trips.append(time.perf_counter() - t0)

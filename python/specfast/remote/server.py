@@ -40,6 +40,11 @@ class ProtocolError(ValueError):
     """A message the protocol does not allow."""
 
 
+class OverLimit(ProtocolError):
+    """More than this drafter serves (a session's tokens): the client drafts
+    locally (a transient Error), not a refusal of its settings."""
+
+
 def _sampling(s) -> Sampling:
     """A request's Sampling, refused at hello where a drafter could not use it
     (it would fail later, a bare gRPC error). An unset top_p (proto3 reads 0) is 1."""
@@ -127,7 +132,7 @@ class _Session:
         # The contexts' memory, and a model drafter's prefill, grow with them.
         self.held += len(tokens)
         if self.held > self.max_tokens:
-            raise ProtocolError(f"{what}: the session's contexts would hold {self.held} tokens, "
+            raise OverLimit(f"{what}: the session's contexts would hold {self.held} tokens, "
                                 f"over this drafter's limit of {self.max_tokens}")
         t = list(tokens)
         if t and (min(t) < 0 or max(t) >= self.ids):
@@ -229,21 +234,21 @@ class DrafterService(pb_grpc.DrafterServicer):
         inbox: queue.Queue = queue.Queue(maxsize=1)
         watchdog = _Watchdog(context, self.idle)
 
+        def hand(m):  # to the session, unless it has ended
+            while not watchdog.done.is_set():
+                try:
+                    inbox.put(m, timeout=0.5)
+                    return
+                except queue.Full:
+                    pass
+
         def pump():
             try:
                 for m in request_iterator:
-                    while not watchdog.done.is_set():
-                        try:
-                            inbox.put(m, timeout=0.5)
-                            break
-                        except queue.Full:
-                            pass
+                    hand(m)
             except Exception:  # the client went away
                 pass
-            try:
-                inbox.put(None, timeout=1.0)
-            except queue.Full:  # the session ended first
-                pass
+            hand(None)
 
         threading.Thread(target=pump, daemon=True).start()
         session = None
@@ -289,7 +294,8 @@ class DrafterService(pb_grpc.DrafterServicer):
                 watchdog.since = None
         except ProtocolError as e:
             log.warning("session refused: %s", e)
-            yield reply(pb.FromDrafter(error=pb.Error(message=str(e))))
+            yield reply(pb.FromDrafter(error=pb.Error(message=str(e),
+                                                      transient=isinstance(e, OverLimit))))
         except Exception as e:  # the drafter's own failure: the client drafts locally
             log.exception("drafter failed")
             yield reply(pb.FromDrafter(error=pb.Error(
