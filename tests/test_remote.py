@@ -832,6 +832,15 @@ def test_a_session_past_max_tokens_is_refused(target):
         server.stop(0)
 
 
+def _draft_for(d, seconds):
+    """Starts d and asks it for drafts, as a decoding loop would, for ``seconds``."""
+    d.start([[1, 2, 3]], [Sampling()])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        d.propose([[1, 2, 3]], [2], [Sampling()])
+        time.sleep(0.005)
+
+
 def test_reconnection_tries_back_off_while_they_fail(target):
     """Each failed try may cost the whole timeout (a peer that hangs): tries come
     after retry seconds, doubling while they fail (every retry seconds before: a
@@ -840,11 +849,7 @@ def test_reconnection_tries_back_off_while_they_fail(target):
     server.stop(0)  # nothing listens there now: each try fails at once
     d = remote(port, target, timeout=0.5, retry=0.05)
     try:
-        d.start([[1, 2, 3]], [Sampling()])
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 1.6:
-            d.propose([[1, 2, 3]], [2], [Sampling()])
-            time.sleep(0.005)
+        _draft_for(d, 1.6)
         # at 0.05, 0.1, 0.2, 0.4, 0.8 s apart: the start's try and 4 or 5 more (32 without)
         assert 4 <= len(d.stats.failures) <= 7, d.stats.failures
     finally:
@@ -864,11 +869,7 @@ def test_a_drafter_that_welcomes_then_hangs_is_tried_less_and_less(target):
     server, port = serve(lambda: Hung(), workers=16)
     d = remote(port, target, timeout=0.3, retry=0.1)
     try:
-        d.start([[1, 2, 3]], [Sampling()])
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 3.0:
-            d.propose([[1, 2, 3]], [2], [Sampling()])
-            time.sleep(0.005)
+        _draft_for(d, 3.0)
         # tries at about 0, 0.4, 0.9, 1.6, 2.7 s (every 0.4 s, 8 of them, before)
         assert 2 <= d.stats.sessions <= 5, d.stats.failures
     finally:
