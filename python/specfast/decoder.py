@@ -39,6 +39,8 @@ class Metrics:
     prompt_tokens: int = 0
     tokens: int = 0  # generated tokens
     draft_n: int = 0  # drafted tokens sent to verification
+    # drafted tokens that passed verification, those a stop string or EOS then
+    # cut included (what the drafter achieved: the acceptance statistics)
     draft_n_accepted: int = 0
     target_steps: int = 0  # target forwards after the prefill
     drafted_at: list = field(default_factory=list)  # per draft position: tried
@@ -493,7 +495,10 @@ class SpeculativeDecoder:
             temperature 0 is greedy
         seed : int or list of int (one per prompt)
             Keys every random draw with the absolute position; a prompt in a
-            batch gives the same output as alone with the same seed.
+            batch gives the same output as alone with the same seed in greedy and
+            coupled modes, and in rejection mode with a fixed ``k`` (with
+            ``k="auto"`` the draft lengths follow measured times, and which draws
+            a position uses follows them: the same distribution, other tokens).
         method : {"coupled", "rejection"}
         stream : callable ``(index, token_ids, text)`` or None
             Called with each request's newly emitted tokens and text. The text is
