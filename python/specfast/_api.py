@@ -116,6 +116,11 @@ def _torch_to_numpy(t, name):
 _I32 = np.dtype(np.int32)
 
 
+def _is_int(v) -> bool:
+    """An int or numpy int, not a bool (a bool is an int to Python, not to us)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
 def _as_array(x, name):
     """np.asarray(x), with Python ints kept integer: numpy makes float64 of an
     empty list and of ints that mix [0, 2^63) with [2^63, 2^64) (random 64-bit
@@ -126,7 +131,7 @@ def _as_array(x, name):
     if a.size == 0:
         return a.astype(np.int64)
     flat = np.array(x, dtype=object).reshape(-1)
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in flat):
+    if not all(_is_int(v) for v in flat):
         return a
     lo, hi = int(min(flat)), int(max(flat))
     for dtype in (np.int64, np.uint64):

@@ -35,7 +35,8 @@ import numpy as np
 
 from ._cdef import CDEF
 from ._api import (_MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array, _as_float,
-                   _first_bad_param, _method, _param_detail, _scalar, _strided, _torch)
+                   _first_bad_param, _is_int, _method, _param_detail, _scalar, _strided,
+                   _torch)
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -98,12 +99,12 @@ def _on_device(x, dtype, dev, name, ndim=None):
     """``x`` as a contiguous CUDA tensor of ``dtype`` on ``dev`` (a no-op when it is one)."""
     torch = _torch()
     ints = dtype in (torch.int32, torch.int64)
-    if isinstance(x, torch.Tensor) and ints and not x.is_cuda and not x.is_floating_point():
+    if isinstance(x, torch.Tensor):
         _strided(x, name)
+    if isinstance(x, torch.Tensor) and ints and not x.is_cuda and not x.is_floating_point():
         x = x.detach().numpy()  # host integers: checked below as numpy's (torch has no
         # min of its unsigned types); a device tensor is taken unread, no sync
     if isinstance(x, torch.Tensor):
-        _strided(x, name)
         t = x.detach()
         if ints and t.is_floating_point() and t.numel():
             raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
@@ -143,10 +144,6 @@ def _c_logits(x, name, keep):
     c.dtype, c.rows, c.vocab = code, x.shape[0], x.shape[1]
     c.row_stride = x.stride(0) if x.shape[0] > 1 else x.shape[1]
     return c, x
-
-
-def _is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _dtype_kind(value, name):

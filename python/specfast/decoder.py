@@ -821,8 +821,8 @@ def _checked(drafts, ks, n, target, drafter) -> list:
     out = []
     for d, k in zip(drafts, ks):
         d = d.head(k) if trees or d.parents is None else d.chain().head(k)
-        if not all(_is_id(t) for t in d.tokens):
-            kinds = sorted({type(t).__name__ for t in d.tokens if not _is_id(t)})
+        if not all(_api._is_int(t) for t in d.tokens):
+            kinds = sorted({type(t).__name__ for t in d.tokens if not _api._is_int(t)})
             raise TypeError(f"{getattr(drafter, 'name', 'the drafter')} drafted token ids "
                             f"that are not ints: {', '.join(kinds)}")
         tokens = [int(t) for t in d.tokens]
@@ -901,14 +901,9 @@ def _sampling(temperature, top_k, top_p, min_p, seed, method) -> Sampling:
     return Sampling(t, k, p, m, s, method)
 
 
-def _is_id(t) -> bool:
-    """Whether t is a token id: an int or numpy int, not a bool."""
-    return isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-
-
 def _ids(prompt):
     """A prompt of token ids (numpy ints included) as a list of ints, else None."""
-    if prompt and all(_is_id(t) for t in prompt):
+    if prompt and all(_api._is_int(t) for t in prompt):
         return [int(t) for t in prompt]
     return None
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._tree import kv_compact, tree_mask
-from ..decoder import _is_id
+from .._api import _is_int
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -151,7 +151,7 @@ class HFModel:
     def encode(self, prompt) -> list[int]:
         """Token ids of a prompt: a string (chat-templated when the tokenizer has a
         template and ``chat`` is on), a list of chat messages, or a list of ids."""
-        if isinstance(prompt, (list, tuple)) and all(_is_id(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
             return [int(t) for t in prompt]
         if not (isinstance(prompt, str) or isinstance(prompt, (list, tuple))
                 and all(isinstance(m, dict) for m in prompt)):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decoder import _is_id
+from .._api import _is_int
 
 
 def available() -> bool:
@@ -77,7 +77,7 @@ class LlamaCppModel:
 
     # -- text ---------------------------------------------------------------
     def encode(self, prompt) -> list:
-        if isinstance(prompt, (list, tuple)) and all(_is_id(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
             return [int(t) for t in prompt]
         if not isinstance(prompt, str):  # chat messages
             # rendered as transformers renders templates (their whitespace

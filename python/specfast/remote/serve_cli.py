@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..drafters import is_ngram, make
-    from .server import serve
+    from .server import MAX_TOKENS, serve
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
@@ -80,7 +80,7 @@ def run(args) -> int:
     try:
         server, port = serve(make_drafter, args.host, args.port, auth_token=token, tls=tls,
                              workers=args.workers, idle=args.idle,
-                             **({"max_tokens": args.max_tokens} if args.max_tokens else {}))
+                             max_tokens=args.max_tokens or MAX_TOKENS)
     except (OSError, RuntimeError) as e:  # grpc: a bad address, a port in use, bad PEM
         raise SystemExit(f"cannot serve on {args.host}:{args.port}"
                          f"{' with this TLS certificate and key' if tls else ''}: {e}") from None
