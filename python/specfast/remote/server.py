@@ -133,7 +133,7 @@ class _Session:
         self.held += len(tokens)
         if self.held > self.max_tokens:
             raise OverLimit(f"{what}: the session's contexts would hold {self.held} tokens, "
-                                f"over this drafter's limit of {self.max_tokens}")
+                            f"over this drafter's limit of {self.max_tokens}")
         t = list(tokens)
         if t and (min(t) < 0 or max(t) >= self.ids):
             raise ProtocolError(f"{what}: token ids must be in [0, {self.ids})"
