@@ -17,8 +17,9 @@ python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, 
 
 T0=$SECONDS
 mkdir -p build
+# -lineinfo: the profile below maps stall samples to source lines (no change of code).
 cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=Release -DSPECFAST_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90-real > build/gpu.log 2>&1 \
+  -DCMAKE_CUDA_ARCHITECTURES=90-real -DCMAKE_CUDA_FLAGS=-lineinfo > build/gpu.log 2>&1 \
   && cmake --build build/gpu -j "$JOBS" >> build/gpu.log 2>&1
 BUILD=$?
 echo "build: rc=$BUILD in $((SECONDS - T0)) s"
@@ -70,15 +71,24 @@ if command -v compute-sanitizer >/dev/null && [ -z "${SKIP_SANITIZERS:-}" ]; the
   echo "racecheck: rc=$RACE in $((SECONDS - T0)) s"
   SAN="$SAN/$RACE"
 fi
-# One launch of the bar case under Nsight Compute: where the time goes.
+# One launch of the bar case under Nsight Compute: where the time goes. The
+# report's details page, then its source page (stall samples per SASS
+# instruction and per CUDA line) summed up by hotspots.py, all in ncu.txt.
 if command -v ncu >/dev/null; then
   T0=$SECONDS
-  timeout 90 ncu --clock-control none --kernel-name regex:sf_cu_verify_kernel --launch-count 1 \
+  timeout 120 ncu --clock-control none --kernel-name regex:sf_cu_verify_kernel --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    --section SchedulerStats --section InstructionStats \
+    --section SchedulerStats --section InstructionStats --section SourceCounters \
+    --import-source yes -f -o /tmp/verify_prof \
     python3 bench/gpu/bench_gpu.py --only 1 --iters 1 --out /tmp/ncu_bench > "$RES/ncu.txt" 2>&1
   echo "ncu: rc=$? in $((SECONDS - T0)) s"
+  ncu -i /tmp/verify_prof.ncu-rep >> "$RES/ncu.txt" 2>&1
+  for view in sass cuda; do
+    ncu -i /tmp/verify_prof.ncu-rep --page source --csv --print-source "$view" \
+      > "/tmp/verify_$view.csv" 2>> "$RES/ncu.txt"
+  done
+  python3 bench/gpu/hotspots.py /tmp/verify_sass.csv /tmp/verify_cuda.csv >> "$RES/ncu.txt" 2>&1
 fi
 # Occupancy against spills: the bar case built for 2 and 4 resident blocks
 # per SM (the default asks registers for 3), while the run is young enough.
