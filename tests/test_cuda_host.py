@@ -172,7 +172,7 @@ def test_kernel_status_becomes_the_cpu_exception(kernels):
     r = _cuda.verify(logits, tokens, nd, check=False)  # left on the device
     assert r.tokens.shape == (6, 3)
     # The draft checks (phase 1) come before the rows (phase 2), as on the CPU.
-    with pytest.raises(ValueError, match="draft token.*at index 5"):
+    with pytest.raises(ValueError, match="draft token.*request 5"):
         _cuda.verify(logits, tokens, nd, check=True)
     kernels.codes = {1: 3 | 0 << 8}
     with pytest.raises(ValueError, match="sampling parameter.*top_p=0.7"):
@@ -325,9 +325,9 @@ def test_host_integers_that_would_wrap_are_errors(kernels, array):
 def test_host_parameters_checked_at_once(kernels, kw, index):
     """Parameters the host holds are checked before the launch, with the CPU's
     message (device tensors are left to the kernel: no synchronisation)."""
-    with pytest.raises(ValueError, match=f"sampling parameter out of range \\(at index {index}\\)"):
+    with pytest.raises(ValueError, match=f"sampling parameter out of range \\(row {index}\\)"):
         _cuda.sample(torch.zeros(3, 50), **kw)
-    with pytest.raises(ValueError, match=f"at index {index}"):
+    with pytest.raises(ValueError, match=f"request {index}"):
         _cuda.verify(*chain(), **kw)
     assert kernels.calls == []
 

@@ -84,8 +84,10 @@ def test_verify_bad_logit_values(value, row):
     v, pattern = BAD_VALUES[value]
     kw = base_verify()
     kw["target_logits"][row, 2] = v  # rows 0, 3, 4 are the row 0 of a request
+    request = {0: 0, 3: 1, 4: 2}[row]  # the message names the request, not the row
     raises(lambda: sf.verify(**kw), pattern)
-    raises(lambda: sf.verify(**kw, method="coupled"), pattern)
+    raises(lambda: sf.verify(**kw), rf"\(request {request}\)")
+    raises(lambda: sf.verify(**kw, method="coupled"), rf"\(request {request}\)")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -118,6 +120,7 @@ def test_rows_bad_logit_values(fn, value):
     x = base_rows()
     x[2, 5] = v
     raises(lambda: getattr(sf, fn)(x), pattern)
+    raises(lambda: getattr(sf, fn)(x), r"\(row 2\)")
 
 
 @pytest.mark.parametrize("fn", ["verify", "sample", "probs"])
@@ -172,7 +175,7 @@ def test_malformed_draft_probs_of_a_node_reached_by_acceptance():
     kw["target_logits"][1, 2] = -np.inf  # node 1 drafts token 2
     kw["draft_probs"][1] = -0.5
     kw["draft_probs"][1, 2] = 0.5
-    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(request 0\)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,7 +189,7 @@ def test_draft_token_out_of_range(token, node):
     kw = base_verify()
     kw["draft_tokens"][node] = token
     request = {0: 0, 2: 2}[node]  # the index names the request that owns the node
-    raises(lambda: sf.verify(**kw), rf"draft token out of range \(at index {request}\)")
+    raises(lambda: sf.verify(**kw), rf"draft token out of range \(request {request}\)")
 
 
 SHAPES = {
@@ -360,7 +363,7 @@ def test_malformed_dense_draft_probs(case):
     kw["parents"] = np.array([-1, -1, -1], np.int32)
     kw["target_logits"][0, 1] = -np.inf  # request 0, node 0 drafts token 1
     BAD_DENSE[case](kw["draft_probs"])
-    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(request 0\)")
 
 
 @pytest.mark.parametrize("value", [-0.1, np.nan, np.inf, 1.5],
@@ -374,7 +377,7 @@ def test_malformed_dense_draft_probs_at_a_token_a_residual_try_draws(value):
         kw["draft_probs"][2] = value
         kw["draft_probs"][2, 3] = 1 / V
         raises(lambda: sf.verify(**kw, seed=seed),
-               r"malformed draft probabilities \(at index 2\)")
+               r"malformed draft probabilities \(request 2\)")
 
 
 @pytest.mark.parametrize("scale, bad", [(1.01, True), (1.0005, False)])
@@ -390,7 +393,7 @@ def test_dense_draft_probs_sum_checked_where_no_try_keeps_a_token(scale, bad):
         kw = dict(target_logits=logits, draft_tokens=np.array([1], np.int32),
                   num_draft=np.array([1], np.int32), draft_probs=q, seed=seed)
         if bad:
-            raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+            raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(request 0\)")
         else:
             assert sf.verify(**kw).tokens[0, 0] not in (-1, 1)
 
@@ -410,7 +413,7 @@ def test_malformed_dense_draft_probs_at_a_kept_token_under_a_filter(filt, value)
     kw = dict(target_logits=logits, draft_tokens=np.array([1, 2], np.int32),
               num_draft=np.array([2], np.int32), parents=np.array([-1, -1], np.int32),
               draft_probs=q, **filt)
-    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(request 0\)")
 
 
 def test_a_large_top_k_is_a_filter_for_the_sum_check():
@@ -432,7 +435,7 @@ def test_a_large_top_k_is_a_filter_for_the_sum_check():
         got = {k: sf.verify(**kw, top_k=k, seed=seed).tokens.tolist()
                for k in (50, 4000, 4097, 5000, vocab - 1)}
         assert len(set(map(str, got.values()))) == 1, got
-    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+    raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(request 0\)")
 
 
 MASS_ONE = 1 << 40
@@ -467,7 +470,7 @@ def test_dense_draft_probs_sum_at_the_edge_of_the_tolerance(vocab, offset, bad):
               num_draft=np.array([2], np.int32), parents=np.array([-1, -1], np.int32),
               draft_probs=q)
     if bad:
-        raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(at index 0\)")
+        raises(lambda: sf.verify(**kw), r"malformed draft probabilities \(request 0\)")
     else:
         assert sf.verify(**kw).tokens[0, 0] != 1
 
@@ -482,7 +485,7 @@ def test_malformed_draft_prob_of_the_drafted_token(case):
         kw = base_verify()
         kw["draft_probs"][0, 1] = BAD_AT_TOKEN[case]  # request 0, node 0 drafts token 1
         raises(lambda: sf.verify(**kw, seed=seed),
-               r"malformed draft probabilities \(at index 0\)")
+               r"malformed draft probabilities \(request 0\)")
 
 
 @pytest.mark.parametrize("shape", [(3, V + 1), (3, V - 1), (2, V), (4, V), (3 * V,)],

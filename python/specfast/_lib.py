@@ -62,12 +62,18 @@ def lib():
             "reinstall the package with `pip install .`"))
 
 
+# The calls whose error index counts rows of logits; the others count requests.
+_ROW_CALLS = ("specfast.sample", "specfast.probs")
+
+
 def check(status: int, what: str, index: int, detail=None) -> None:
-    """Raises the exception that a non-zero status stands for."""
+    """Raises the exception that a non-zero status stands for; index is the
+    request (the row for sample and probs) it concerns, -1 for the whole call."""
     if status == 0:
         return
     text = ffi.string(lib().sf_status_string(status)).decode()
-    where = f" (at index {index})" if index >= 0 else ""
+    unit = "row" if what in _ROW_CALLS else "request"
+    where = f" ({unit} {index})" if index >= 0 else ""
     extra = f": {detail}" if detail else ""
     message = f"{what}: {text}{where}{extra}"
     if status == lib().SF_ERR_NO_MEMORY:
