@@ -28,6 +28,17 @@ def test_every_subcommand_has_its_options(command):
     assert out.stdout.startswith(f"usage: specfast {command}")
 
 
+@pytest.mark.parametrize("command, shown", [
+    ("generate", ["(default: 128)", "(default: coupled)", "greedy) (default: 0.0)"]),
+    ("serve-drafter", ["(default: 50061)", "(default: 8)", "(default: 600.0)"]),
+    ("bench", ["(default: 1 16 64)", "(default: rejection)"]),
+])
+def test_help_says_the_defaults(command, shown):
+    out = cli(command, "--help")
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    assert all(s in text for s in shown), text
+
+
 def test_unknown_command_is_a_usage_error():
     out = cli("frobnicate")
     assert out.returncode == 2 and "invalid choice" in out.stderr
@@ -65,6 +76,11 @@ def test_generate_refuses_bad_settings_before_loading_a_model(args, said):
     ("bench", ["--batch", "0"], "argument --batch"),
     ("bench", ["--repeats", "0"], "argument --repeats"),
     ("bench", ["--json", "/nonexistent/dir/x.json"], "cannot write"),
+    ("bench", ["--bars", "--batch", "4", "--vocab", "9"], "drop --batch, --vocab"),
+    ("bench", ["--bars", "--full"], "not both"),
+    ("generate", ["-k", "1025"], "argument -k/--draft-length: 1025 is outside [0, 1024]"),
+    ("generate", ["--drafter", "remote:127.0.0.1:1", "--token-file", "/dev/null"],
+     "holds no token"),
 ])
 def test_bad_options_are_said_before_any_work(command, args, said):
     """A clear message and a non-zero exit, before a model loads (the target given
@@ -130,3 +146,16 @@ def test_missing_packages_are_said_before_any_work(missing, args, said, tmp_path
     out = cli_without(missing, *args)
     assert out.returncode != 0 and said in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "| " not in out.stdout, out.stderr[-3000:]
+
+
+def test_generate_hands_the_remote_options_to_the_drafter():
+    import argparse
+
+    from specfast import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    args = parser.parse_args(["--prompt", "x", "--drafter", "remote:host:1", "--payload", "topk",
+                              "--payload-top-k", "3", "--lookahead", "5"])
+    assert generate.remote_options(args) == dict(address="host:1", payload="topk", top_k=3,
+                                                 lookahead=5, auth_token=None, tls=None)

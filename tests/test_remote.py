@@ -323,6 +323,11 @@ def test_client_checks_its_arguments(target):
         RemoteDrafter("127.0.0.1:1", payload="bytes", vocab_size=10)
     with pytest.raises(ValueError, match="top_k"):
         RemoteDrafter("127.0.0.1:1", payload="topk", top_k=0, vocab_size=10)
+    for name, value, error in [("timeout", -1.0, ValueError), ("timeout", 0.0, ValueError),
+                               ("timeout", float("nan"), ValueError), ("retry", -1.0, ValueError),
+                               ("lookahead", 2.0, TypeError), ("lookahead", -1, ValueError)]:
+        with pytest.raises(error, match=f"RemoteDrafter: {name} must be"):
+            RemoteDrafter("127.0.0.1:1", vocab_size=10, **{name: value})
 
 
 @pytest.mark.parametrize("payload, sampling", [

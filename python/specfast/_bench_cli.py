@@ -553,27 +553,35 @@ def check_bars(rows) -> list:
 # ---------------------------------------------------------------------------------------
 
 
+CASE_DEFAULTS = dict(batch=[1, 16, 64], draft_len=[4], vocab=[32000, 151936], dtype=["float32"],
+                     method=["rejection"], draft_probs=["dense"], filters=["none"],
+                     source=["correlated"])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Time specfast.verify against numpy.max and torch (medians)."
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     a = parser.add_argument
     a("--bars", action="store_true",
-      help="run exactly the five bar cases and print pass/fail (exit status stays 0)")
-    a("--full", action="store_true", help="the whole grid of issue 3 (long)")
-    a("--batch", type=count(1), nargs="+", default=[1, 16, 64], metavar="B", help="requests")
-    a("--draft-len", type=count(0, 1024), nargs="+", default=[4], metavar="K",
-      help="draft tokens per request")
-    a("--vocab", type=count(1, _MAX_VOCAB), nargs="+", default=[32000, 151936], metavar="V",
-      help="vocabulary")
-    a("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
-      help="of the target logits")
-    a("--method", nargs="+", default=["rejection"], choices=["rejection", "coupled"])
-    a("--draft-probs", nargs="+", default=["dense"], choices=["none", "dense", "sparse"],
-      help="the kind of q for rejection (coupled always runs without q)")
-    a("--filters", nargs="+", default=["none"], choices=list(FILTERS),
-      help="none, or top_k=50 and top_p=0.9")
-    a("--source", nargs="+", default=["correlated"], choices=["correlated", "independent"],
-      help="the drafter: correlated with the target, or independent of it")
+      help="run the five speed targets' cases (README, Benchmarks) and print pass/fail "
+           "against each (exit status stays 0); takes no case options")
+    a("--full", action="store_true",
+      help="the whole grid of cases (long); takes no case options")
+    # The options of the cases (a grid: every combination). None where not
+    # given, so that --bars and --full can refuse them (_case_options).
+    def case(flag, text, **kw):
+        shown = " ".join(map(str, CASE_DEFAULTS[flag[2:].replace("-", "_")]))
+        a(flag, nargs="+", default=None, help=f"{text} (default: {shown})", **kw)
+
+    case("--batch", "requests", type=count(1), metavar="B")
+    case("--draft-len", "draft tokens per request", type=count(0, 1024), metavar="K")
+    case("--vocab", "vocabulary", type=count(1, _MAX_VOCAB), metavar="V")
+    case("--dtype", "of the target logits", choices=["float32", "bfloat16", "float16"])
+    case("--method", "verification method", choices=["rejection", "coupled"])
+    case("--draft-probs", "the kind of q for rejection (coupled always runs without q)",
+         choices=["none", "dense", "sparse"])
+    case("--filters", "none, or top_k=50 and top_p=0.9", choices=list(FILTERS))
+    case("--source", "the drafter: correlated with the target, or independent of it",
+         choices=["correlated", "independent"])
     a("--impl", nargs="+", default=None, choices=list(IMPLS),
       help="what to time (default: all; torch where it is installed)")
     a("--repeats", type=count(1), default=7, help="samples per implementation (median)")
@@ -605,6 +613,20 @@ def _cases(args) -> list:
                 args.source)
 
 
+def _case_options(args) -> None:
+    """Fills the case options not given; --bars and --full take none."""
+    given = [name for name in CASE_DEFAULTS if getattr(args, name) is not None]
+    fixed = "--bars" if args.bars else "--full" if args.full else None
+    if args.bars and args.full:
+        raise SystemExit("specfast bench: give --bars or --full, not both")
+    if fixed and given:
+        raise SystemExit(f"specfast bench: {fixed} runs fixed cases; drop "
+                         + ", ".join("--" + name.replace("_", "-") for name in given))
+    for name in CASE_DEFAULTS:
+        if getattr(args, name) is None:
+            setattr(args, name, CASE_DEFAULTS[name])
+
+
 def _missing_packages(args) -> None:
     """Packages the options need, said before the timings (not after them)."""
     need = {"matplotlib": args.plot, "ml_dtypes": "bfloat16" in args.dtype,
@@ -619,6 +641,7 @@ def _missing_packages(args) -> None:
 def run(args) -> int:
     import specfast
 
+    _case_options(args)
     _missing_packages(args)
     if args.threads is not None:
         specfast.set_num_threads(args.threads)

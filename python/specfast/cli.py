@@ -60,6 +60,20 @@ def read_file(path, option, binary=False):
         raise SystemExit(f"{option} {path}: {e.strerror or e}") from None
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that ends with an option's default, where the default is a value
+    (not None, nor a flag's False) and the help does not already say it."""
+
+    def _get_help_string(self, action):
+        text, default = action.help or "", action.default
+        if (not action.option_strings or default is None or default is False
+                or default == argparse.SUPPRESS or "default" in text):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+        shown = shown.replace("%", "%%")  # argparse formats help with %
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     pass
 
@@ -80,7 +94,8 @@ def main(argv=None) -> int:
     chosen = argv[0] if argv and argv[0] in _COMMANDS else None
     module = None
     for name, (mod, help_text) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text[:1].upper() + help_text[1:]
+                           + ".", formatter_class=HelpFormatter)
         if name == chosen:
             try:
                 module = importlib.import_module(mod)

@@ -13,12 +13,13 @@ import json
 import os
 import sys
 
+from ._api import _MAX_DRAFT
 from .cli import count as _count
 from .cli import read_file
 
 
 def _draft_length(text):
-    return text if text == "auto" else _count(0)(text)
+    return text if text == "auto" else _count(0, _MAX_DRAFT)(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'remote:HOST:PORT' (a specfast serve-drafter)")
     parser.add_argument("--payload", choices=["tokens", "topk", "dense"], default="tokens",
                         help="what a remote drafter sends per drafted token")
-    parser.add_argument("--lookahead", type=_count(0, 1024), default=8,
+    parser.add_argument("--payload-top-k", type=_count(1, 1024), default=8, metavar="K",  # server.MAX_TOP_K
+                        help="ids and probabilities per drafted token with --payload topk")
+    parser.add_argument("--lookahead", type=_count(0, _MAX_DRAFT), default=8,
                         help="tokens a remote drafter drafts ahead while the target verifies")
     parser.add_argument("--token-file", default=None,
                         help="file holding the token a remote drafter requires")
@@ -38,17 +41,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for a batch); '-' reads stdin")
     parser.add_argument("--raw", action="store_true", help="no chat template")
-    parser.add_argument("--max-new-tokens", type=_count(0), default=128)
+    parser.add_argument("--max-new-tokens", type=_count(0), default=128,
+                        help="tokens to generate per prompt, at most")
     parser.add_argument("-k", "--draft-length", type=_draft_length, default="auto",
                         help="'auto' or a fixed k (drafted tokens, or tree nodes, per step)")
     parser.add_argument("--tree", type=_count(1), default=1, metavar="N",
                         help="draft token trees of N branches per node (1: chains)")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--method", choices=["coupled", "rejection"], default="coupled")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most probable (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="keep the most probable tokens holding this mass")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below this fraction of the most probable")
+    parser.add_argument("--seed", type=int, default=0, help="of the sampling")
+    parser.add_argument("--method", choices=["coupled", "rejection"], default="coupled",
+                        help="coupled: the tokens plain sampling with this seed gives; "
+                             "rejection: the same distribution")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--threads", type=_count(0), default=0, help="torch threads (0: default)")
     parser.add_argument("--json", action="store_true",
@@ -63,6 +72,8 @@ def remote_options(args) -> dict:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise SystemExit(f"--drafter {args.drafter}: give remote:HOST:PORT")
     token = read_file(args.token_file, "--token-file").strip() if args.token_file else None
+    if args.token_file and not token:  # as serve-drafter refuses it
+        raise SystemExit(f"--token-file {args.token_file}: the file holds no token")
     tls = read_file(args.tls_ca, "--tls-ca", binary=True) if args.tls_ca else None
     from .remote.client import check_tls_roots
 
@@ -70,8 +81,8 @@ def remote_options(args) -> dict:
         check_tls_roots(tls)
     except ValueError:
         raise SystemExit(f"--tls-ca {args.tls_ca}: not a PEM certificate") from None
-    return dict(address=address, payload=args.payload, lookahead=args.lookahead,
-                auth_token=token, tls=tls)
+    return dict(address=address, payload=args.payload, top_k=args.payload_top_k,
+                lookahead=args.lookahead, auth_token=token, tls=tls)
 
 
 def remote_drafter(args, vocab_size):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _api
-from ..drafters import Draft, Drafter, NgramDrafter
+from ..drafters import Draft, Drafter, NgramDrafter, check_arg
 from . import drafter_pb2 as pb
 from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, VERSION
 
@@ -143,6 +143,8 @@ class RemoteDrafter(Drafter):
         What a draft carries: token ids only (deterministic drafters, or coupled
         mode), the ``top_k`` ids and probabilities the drafter sampled from, or
         dense rows (for reference).
+    top_k : int
+        Entries per drafted token with ``payload="topk"`` (1 to 1024).
     vocab_size : int
         The target's vocabulary (drafts are checked against it).
     timeout : float
@@ -180,10 +182,11 @@ class RemoteDrafter(Drafter):
 
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {sorted(PAYLOADS)}, got {payload!r}")
-        if payload == "topk" and not 1 <= top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be in [1, {MAX_TOP_K}]")
-        if not 0 <= lookahead <= MAX_DRAFT:
-            raise ValueError(f"lookahead must be in [0, {MAX_DRAFT}]")
+        if payload == "topk":
+            check_arg("RemoteDrafter", "top_k", top_k, 1, MAX_TOP_K, integer=True)
+        check_arg("RemoteDrafter", "lookahead", lookahead, 0, MAX_DRAFT, integer=True)
+        check_arg("RemoteDrafter", "timeout", timeout, 0.0, open_lo=True)
+        check_arg("RemoteDrafter", "retry", retry, 0.0)
         check_tls_roots(tls)
         self.address, self.payload, self.top_k = address, payload, top_k
         self.lookahead = lookahead
