@@ -162,6 +162,19 @@ def test_model_tree_matches_plain_decoding(target, k):
     assert dec.last_metrics.draft_n > 0
 
 
+def test_model_tree_branches_under_greedy():
+    """Greedy requests get trees, not chains: a greedy q is one-hot, so the nodes
+    rank by the draft's unfiltered softmax instead (else every runner-up scores 0)."""
+    draft = ModelDrafter(tiny_model(seed=1, layers=1), branches=3)
+    for s in (Sampling(temperature=0.0), Sampling(temperature=0.0, top_k=1, method="rejection")):
+        ctx = [3, 7, 11, 3, 7]
+        draft.start([ctx], [s])
+        d = draft.propose([ctx], [6], [s])[0]
+        check_tree(d, 6)
+        assert len(d.tokens) == 6
+        assert len(set(d.parents)) < len(d.parents), d.parents  # a node with two children
+
+
 def test_model_tree_draws_siblings_without_replacement():
     """In rejection mode siblings are drawn without replacement and each reports
     the distribution it was drawn from: those rows sum to 1 and exclude the

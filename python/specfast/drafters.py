@@ -493,8 +493,9 @@ class ModelDrafter(Drafter):
         Greedy and coupled requests take each node's children in the order of
         the key the target itself uses (probability, or probability with the
         request's Gumbel noise, the runner-ups after masking the winners), grow
-        more nodes than asked and keep the k most confident: their q is never
-        read (greedy verification takes q one-hot, coupled ignores it).
+        more nodes than asked and keep the k most confident (greedy ones by the
+        draft's softmax at temperature 1): their q is never read (greedy
+        verification takes q one-hot, coupled ignores it).
         Rejection-sampling requests draw the children of a node without
         replacement, each from the draft distribution with the earlier siblings
         masked out, on a stream of its own, and report that distribution; every
@@ -526,7 +527,7 @@ class ModelDrafter(Drafter):
             lg = _np_logits([rows[o] for o in owners]).copy()
             s = [sampling[i] for i, _ in owners]
             kw = self._filters(s)
-            q0 = _api.probs(lg, **kw)
+            q0 = _api.probs(lg, **_confidence(kw))
             pos = np.array([len(contexts[i]) + depth for i, _ in owners], np.int64)
             born = {i: [] for i in live}
             for j in range(min(self.branches, lg.shape[1])):
@@ -613,6 +614,20 @@ class ModelDrafter(Drafter):
     def memory(self):
         kv = self.model.kv_bytes(self._state) if self._state is not None else 0
         return {"params": self.model.param_bytes(), "kv": kv, "kv_peak": max(self._peak, kv)}
+
+
+def _confidence(kw: dict) -> dict:
+    """The parameters of the probabilities that rank tree nodes: the draft's
+    own, but a greedy request's are one-hot (every runner-up would score 0,
+    and its tree stay a chain), so greedy rows rank by the unfiltered softmax
+    (temperature 1), which orders tokens as the greedy target does."""
+    greedy = kw["temperature"] == 0
+    if not greedy.any():
+        return kw
+    return dict(temperature=np.where(greedy, np.float32(1), kw["temperature"]),
+                top_k=np.where(greedy, np.int32(0), kw["top_k"]),
+                top_p=np.where(greedy, np.float32(1), kw["top_p"]),
+                min_p=np.where(greedy, np.float32(0), kw["min_p"]))
 
 
 def _sibling_seed(s: Sampling, parent: int, j: int) -> int:
