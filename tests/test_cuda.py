@@ -375,6 +375,14 @@ def test_errors_are_reported(rng):
     status = torch.empty(3, dtype=torch.int32, device=DEV)
     _cuda.sample(to_torch(x), out={"status": status}, check=False)
     assert status.cpu().tolist() == [0, 4 | 2 << 8, 0]
+    # probs: the failed row reads NaN (not what the buffer held), the others as on the CPU
+    buf = torch.full((3, 50), 7.0, device=DEV)
+    x[1, 9] = 1.0
+    _cuda.probs(to_torch(x), top_k=to_torch(np.array([0, 0, 3], np.int32)),
+                out={"probs": buf, "status": status}, check=False)
+    got = buf.cpu().numpy()
+    assert np.isnan(got[1]).all() and status.cpu().tolist() == [0, 4 | 2 << 8, 0]
+    np.testing.assert_array_equal(got[[0, 2]], sf.probs(x[[0, 2]], top_k=np.array([0, 3])))
     with pytest.raises(ValueError, match="draft token out of range"):
         _cuda.verify(to_torch(np.zeros((4, 50), np.float32)),
                      to_torch(np.array([1, 99], np.int32)), np.array([1, 1]), check=True)

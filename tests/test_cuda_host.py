@@ -9,6 +9,9 @@ exceptions the CPU backend raises. tests/test_cuda.py runs the real kernels.
 """
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -186,6 +189,18 @@ def test_launch_failure_is_a_runtime_error(kernels):
     kernels.launch = 2
     with pytest.raises(ValueError, match="specfast.sample"):
         _cuda.sample(torch.zeros(2, 50))
+
+
+def test_the_public_module_is_the_backend_and_loads_nothing():
+    """specfast.cuda (the entry points with check, max_draft and out) is the backend
+    itself, and importing it opens no library: a CPU-only install imports it too."""
+    code = ("import specfast.cuda as c, specfast._cuda as k; "
+            "assert (c.verify, c.sample, c.probs) == (k.verify, k.sample, k.probs); "
+            "print(k.lib.cache_info().currsize)")
+    env = dict(os.environ, SPECFAST_CUDA_LIBRARY="/nonexistent/libspecfast_cuda.so")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "0", out.stderr
 
 
 # ---- libspecfast_cuda.so's own checks, where this installation built it ----

@@ -1417,6 +1417,8 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
         }
         if (st) err = SF_STATUS(st, SF_PHASE_RUN);
     }
+    if (out && err) /* a failed row reads NaN, never what the buffer held */
+        for (int64_t v = threadIdx.x; v < n; v += SF_CU_THREADS) out[v] = NAN;
     if (threadIdx.x == 0) {
         a.status[b] = err;
         if (a.tokens) a.tokens[b] = err ? -1 : tok;

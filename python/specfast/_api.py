@@ -579,6 +579,12 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     since under ``top_k``, ``top_p`` or ``min_p`` only the kept tokens are read.
     Greedy and coupled verification do not read draft probabilities.
 
+    A torch CUDA tensor runs on the GPU (:mod:`specfast.cuda`), on the current
+    stream, with no host synchronisation: errors found in its device data leave
+    the failed request with ``num_accepted`` 0 and tokens -1 instead of raising,
+    unless ``SPECFAST_CUDA_CHECK=1``; :func:`specfast.cuda.verify` also takes
+    ``check``, ``max_draft`` and ``out`` (CUDA graph capture).
+
     Examples
     --------
     >>> logits = np.random.randn(3, 100).astype(np.float32)   # one request, 2 drafts
@@ -683,7 +689,8 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
 
     Returns
     -------
-    tokens : ``(rows,)`` int32 (a torch tensor for torch input).
+    tokens : ``(rows,)`` int32 (a torch tensor for torch input). On a CUDA
+    tensor, errors in device data give -1 rather than raise (see :func:`verify`).
 
     Examples
     --------
@@ -731,7 +738,8 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 
     Returns
     -------
-    ``(rows, V)`` float32 (a torch tensor for torch input).
+    ``(rows, V)`` float32 (a torch tensor for torch input). On a CUDA tensor,
+    a row whose device data is bad reads NaN rather than raise (see :func:`verify`).
 
     Examples
     --------

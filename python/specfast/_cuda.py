@@ -13,7 +13,8 @@ calls can be captured in a CUDA graph, provided that
   read back with ``num_draft.max()``, a synchronisation);
 - errors in device data are left on the device (shapes, and parameters held on
   the host, raise at once): a request that fails has ``num_accepted`` 0 and
-  tokens -1, and its status code is in ``out["status"]`` when ``out`` is given.
+  tokens -1 (a row of ``probs``: NaN), and its status code is in
+  ``out["status"]`` when ``out`` is given.
   ``check=True`` (or ``SPECFAST_CUDA_CHECK=1``) synchronises and raises the
   exception the CPU backend would raise. Values in device tensors are not read on
   the host: a seed tensor of negative values is used as its 64 bits (the CPU
