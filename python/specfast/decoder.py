@@ -190,6 +190,18 @@ class DraftLength:
     margin : float
         Drafting is chosen only when its expected rate beats plain decoding's
         by this factor.
+    prior_first, prior_next, prior_weight : float
+        The prior of ``p0`` and ``q``, and how many observations it counts as.
+    decay : float
+        Weight kept by the acceptance estimates at each new observation.
+    window : int
+        Steps of measured times kept per target width and draft length.
+    prior_slope : float
+        The cost of each extra token of a target forward, as a fraction of the
+        narrowest measured forward, assumed past the widest measured width.
+    probe_every, probe_max, probe_k : int
+        While drafting does not pay: skipped drafts before the first probe,
+        the most the interval doubles to, and the probe's draft length.
     """
 
     def __init__(self, fixed: int | None = None, max_k: int = 10, *, prior_first: float = 0.5,
@@ -449,6 +461,9 @@ class SpeculativeDecoder:
     max_k : int or None
         Longest adaptive draft; None: 32 for a ``cheap`` drafter (n-gram lookup,
         whose long matches are accepted in long runs), 10 otherwise.
+    **controller
+        The draft length controller's settings (:class:`DraftLength`:
+        ``margin``, ``decay``, ``window``, the priors and the probes).
 
     Examples
     --------

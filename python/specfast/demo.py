@@ -109,8 +109,9 @@ def run(args) -> int:
     mem = spec.memory_report(batch=1, context=max(len(target.encode(w["messages"])) for w in rows) + cap)
     m, e = mem["measured"], mem["estimate"]
     print(f"\nmemory: target {m['target_params'] / 2**20:.0f} MiB, KV peak "
-          f"{kv_peak / 2**20:.1f} MiB measured; plan for {e['total'] / 2**20:.0f} MiB "
-          f"(weights + KV at {mem['context']} tokens + overhead); process peak RSS "
-          f"{m['process_peak_rss'] / 2**20:.0f} MiB")
+          f"{kv_peak / 2**20:.1f} MiB measured; the models need about "
+          f"{e['total'] / 2**20:.0f} MiB (weights + KV at {mem['context']} tokens + overhead); "
+          f"the whole process peaked at {m['process_peak_rss'] / 2**20:.0f} MiB RSS "
+          f"(Python, torch and loading the model included)")
     print("greedy outputs identical: " + ("all" if ok else "NOT ALL (see above)"))
     return 0 if ok else 1

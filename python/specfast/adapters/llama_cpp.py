@@ -36,11 +36,30 @@ class LlamaCppState:
 
 
 class LlamaCppModel:
-    """A GGUF model run by llama.cpp (``pip install llama-cpp-python``)."""
+    """A GGUF model run by llama.cpp (``pip install llama-cpp-python``).
+
+    Parameters
+    ----------
+    path : str
+        The .gguf file.
+    n_ctx : int
+        KV cache slots shared by all rows of a batch (prompt, generated and
+        drafted tokens together).
+    n_seq_max : int
+        The most requests in one batch.
+    n_threads : int or None
+        llama.cpp's threads; None: its default.
+    chat : bool
+        Wrap prompts in the model's chat template.
+    """
 
     def __init__(self, path: str, *, n_ctx: int = 4096, n_seq_max: int = 8, n_threads=None,
                  chat: bool = True):
-        import llama_cpp
+        try:
+            import llama_cpp
+        except ImportError as exc:
+            raise ImportError(f"LlamaCppModel needs llama-cpp-python: pip install "
+                              f"llama-cpp-python ({exc})") from exc
 
         lc = self.llama_cpp = llama_cpp
         # The Llama object gives the weights, tokenizer and metadata; its own
