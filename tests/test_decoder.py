@@ -294,6 +294,18 @@ def test_metrics_add_up(target):
     assert rep["measured"]["target_params"] == weights  # float64: 8 bytes a weight
     assert rep["estimate"]["target_params"] == weights
     assert 0 < rep["measured"]["target_kv_peak"] <= 2 * rep["estimate"]["target_kv"]
+    # A batch's totals: tokens per step of each request (not times the batch),
+    # and the draft lengths of all its requests.
+    plain_dec = SpeculativeDecoder(target)
+    plain_dec.generate(PROMPTS[:3], 10)
+    total = plain_dec.last_metrics
+    assert total.target_steps == 10 and total.request_steps == 30
+    assert total.mean_accepted_length == 1.0 and total.k_chosen == {0: 30}
+    dec.generate(PROMPTS[:3], 30)
+    total = dec.last_metrics
+    assert sum(total.k_chosen.values()) == total.request_steps > total.target_steps
+    assert total.mean_accepted_length == total.tokens / total.request_steps >= 1
+    assert all(g.metrics.t_total > 0 for g in dec.generate(PROMPTS[:2], 0))
 
 
 def test_draft_length_controller():
@@ -601,6 +613,23 @@ def test_opt_positions_are_known_up_front():
     assert len(dec.generate(list(range(1, 21)), 13).tokens) == 13
     with pytest.raises(ValueError, match="32 positions"):
         dec.generate(list(range(1, 21)), 14)
+
+
+def test_a_draft_model_with_fewer_positions_stops_drafting_there():
+    """A draft model with fewer learned positions than the target drafts up to
+    its last one (it raised mid-generation); the target decodes on, output unchanged."""
+    def gpt2(positions, seed):
+        torch.manual_seed(seed)
+        m = HFModel(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=48, n_positions=positions, n_embd=32, n_layer=1, n_head=4)).double())
+        m.eos_token_ids = []
+        return m
+
+    target, draft = gpt2(128, 0), gpt2(32, 1)
+    plain = SpeculativeDecoder(target).generate([1, 2, 3], 60).tokens
+    for k in ("auto", 5):
+        out = SpeculativeDecoder(target, ModelDrafter(draft), k=k).generate([1, 2, 3], 60)
+        assert out.tokens == plain and out.metrics.draft_n > 0
 
 
 @pytest.mark.parametrize("prompt, error, said", [

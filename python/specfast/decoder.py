@@ -43,6 +43,7 @@ class Metrics:
     # cut included (what the drafter achieved: the acceptance statistics)
     draft_n_accepted: int = 0
     target_steps: int = 0  # target forwards after the prefill
+    request_steps: int = 0  # of those, summed over requests (a batch's totals)
     drafted_at: list = field(default_factory=list)  # per draft position: tried
     accepted_at: list = field(default_factory=list)  # per draft position: accepted
     k_chosen: dict = field(default_factory=dict)  # draft length -> steps
@@ -61,8 +62,9 @@ class Metrics:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target step (1 for plain decoding)."""
-        return self.tokens / self.target_steps if self.target_steps else 0.0
+        """Tokens a request emits per target step (1 for plain decoding; in a
+        batch's totals, per step of each request)."""
+        return self.tokens / self.request_steps if self.request_steps else 0.0
 
     @property
     def per_position_acceptance(self) -> list:
@@ -668,7 +670,10 @@ class SpeculativeDecoder:
                 metrics[i]._count(drafted, n_acc, nodes)
                 total._count(drafted, n_acc, nodes)
                 metrics[i].target_steps += 1
-                metrics[i].k_chosen[ks[j]] = metrics[i].k_chosen.get(ks[j], 0) + 1
+                metrics[i].request_steps += 1
+                total.request_steps += 1
+                for m in (metrics[i], total):
+                    m.k_chosen[ks[j]] = m.k_chosen.get(ks[j], 0) + 1
                 old = len(contexts[i])
                 new = [int(t) for t in result.tokens[j, :n_acc + 1]]
                 keep_target.append(old + n_acc)
@@ -708,6 +713,7 @@ class SpeculativeDecoder:
         total.t_total = time.perf_counter() - t_start
         for i in range(batch):
             metrics[i].tokens = len(gen[i])
+            metrics[i].t_total = metrics[i].t_total or total.t_total  # no step ran
             if not want_text:
                 texts[i] = target.decode(gen[i])
         total.tokens = sum(len(g) for g in gen)

@@ -437,6 +437,11 @@ class ModelDrafter(Drafter):
     def propose(self, contexts, ks, sampling):
         m = self.model
         batch = len(contexts)
+        limit = getattr(m, "max_positions", None)
+        if limit is not None:  # a draft model with fewer learned positions than
+            # the target stops drafting there (the deepest token fed sits at
+            # len(context) + k - 2); the target decodes on
+            ks = [min(k, max(0, limit + 1 - len(c))) for c, k in zip(contexts, ks)]
         live = [i for i in range(batch) if ks[i] > 0]
         drafts = [Draft([], None) for _ in range(batch)]
         if not live:
