@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import specfast  # noqa: E402
 from specfast.adapters.hf import HFModel  # noqa: E402
+from specfast import decoder  # noqa: E402
 from specfast.decoder import DraftLength, SpeculativeDecoder  # noqa: E402
 from specfast.drafters import Draft, ModelDrafter, NgramDrafter  # noqa: E402
 
@@ -260,6 +261,71 @@ def test_stop_strings_end_where_plain_decoding_ends(target, at):
         assert "".join(text for _, text in chunks) == g.text
         runs.append(g.tokens)
     assert runs[0] == runs[1] == plain.tokens[:at + 2]
+
+
+class _Pieces:
+    """Decodes as a byte-level tokenizer does (a character split across tokens
+    reads U+FFFD until complete) and drops the space a text starts with, as
+    SentencePiece decoders do: the two ways that a text decoded in parts can
+    differ from the text decoded whole."""
+
+    PIECES = [b"a", b" b", b" ", b"\n", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"ab", b" c",
+              b"\xe2", b"\x82"]
+
+    def __call__(self, ids):
+        raw = b"".join(self.PIECES[i % len(self.PIECES)] for i in ids)
+        text = raw.decode("utf-8", errors="replace")
+        return text[1:] if text.startswith(" ") else text
+
+
+@pytest.mark.parametrize("tail", [1, 2, 32])
+def test_text_decoded_in_parts_is_the_whole_text(target, monkeypatch, tail):
+    """A streamed generation decodes only the tokens after an anchor each step
+    (decoder._Text): its stream, text and stop are still those of the text
+    decoded whole, for anchors every `tail` tokens."""
+    monkeypatch.setattr(decoder._Text, "TAIL", tail)
+    monkeypatch.setattr(target, "decode", _Pieces())
+    n = 150
+    plain = SpeculativeDecoder(target).generate(PROMPTS[0], n)
+    assert plain.text == target.decode(plain.tokens)
+    text = plain.text
+    stop = next(text[j:j + 3] for j in range(len(text) // 2, len(text) - 3)
+                if "\ufffd" not in text[j:j + 3])  # in the second half, whole characters
+    m = next(m for m in range(n + 1) if stop in target.decode(plain.tokens[:m]))
+    for dec in (SpeculativeDecoder(target), SpeculativeDecoder(target, NgramDrafter(), k=4)):
+        for stops, tokens in ((None, plain.tokens), ([stop], plain.tokens[:m])):
+            chunks = []
+            g = dec.generate(PROMPTS[0], n, stop=stops, stream=lambda i, t, s: chunks.append(s))
+            whole = target.decode(tokens)
+            assert g.tokens == tokens and "".join(chunks) == g.text
+            assert g.text == (whole[:whole.find(stop)] if stops else whole)
+
+
+@pytest.mark.parametrize("tail", [1, 2, 5])
+def test_text_anchor_decodes_every_prefix_as_the_whole(monkeypatch, tail):
+    """decoder._Text on every prefix of random token lists (split characters,
+    dropped leading spaces) returns what decoding the prefix whole returns."""
+    monkeypatch.setattr(decoder._Text, "TAIL", tail)
+    decode, rng = _Pieces(), np.random.default_rng(tail)
+    for _ in range(40):
+        tokens = rng.integers(0, len(_Pieces.PIECES), 120).tolist()
+        text = decoder._Text(decode)
+        for n in range(1, len(tokens) + 1):
+            assert text(tokens[:n]) == decode(tokens[:n]), (tokens[:n], text.at)
+            text.advance(tokens[:n])
+        assert text.at > 0
+
+
+def test_a_long_streamed_generation_decodes_its_tail(target, monkeypatch):
+    """Streaming (or stop strings) decodes the last tokens each step, not all of
+    them: a 1000-token stream decoded about n^2 / 2 = 500,000 tokens."""
+    seen, decode = [], target.decode
+    monkeypatch.setattr(target, "decode", lambda ids: seen.append(len(ids)) or decode(ids))
+    n = 1000
+    for kw in (dict(stream=lambda *a: None), dict(stop=["never said"])):
+        seen.clear()
+        assert len(SpeculativeDecoder(target).generate(PROMPTS[0], n, **kw).tokens) == n
+        assert sum(seen) < n * n / 5
 
 
 def test_a_stop_string_given_alone(target):

@@ -603,6 +603,7 @@ class SpeculativeDecoder:
         texts = [""] * batch
         finish = ["length"] * batch
         want_text = stream is not None or bool(stop)
+        detok = [_Text(target.decode) for _ in range(batch)]
 
         cheap = drafter is not None and getattr(drafter, "cheap", False)
         ctl.cheap_draft = cheap
@@ -680,7 +681,7 @@ class SpeculativeDecoder:
                 keep_draft.append(old + n_acc)
                 contexts[i].extend(new)
                 done = self._emit(i, new, gen, texts, finish, max_new, eos_ids, stop,
-                                  want_text, stream)
+                                  want_text, stream, detok[i])
                 if not done:
                     still.append(j)
             total.target_steps += 1
@@ -759,12 +760,14 @@ class SpeculativeDecoder:
             seed=np.array([s.seed for s in sampling], np.uint64),
             position=np.array(positions, np.int64), method=sampling[0].method)
 
-    def _emit(self, i, new, gen, texts, finish, max_new, eos_ids, stop, want_text, stream):
+    def _emit(self, i, new, gen, texts, finish, max_new, eos_ids, stop, want_text, stream,
+              detok):
         """Appends request i's new tokens one at a time, as plain decoding meets
         them (so a stop string ends the run at the token that completes it);
         True when the request is finished. While it runs, texts[i] is the text
         streamed so far: none that a later token could take back (the start of
-        a stop string, a partial character)."""
+        a stop string, a partial character); when it ends, the whole text
+        decoded at once."""
         out, done, text = [], False, None
         for t in new:
             if len(gen[i]) + len(out) >= max_new:
@@ -775,7 +778,7 @@ class SpeculativeDecoder:
                 break
             out.append(t)
         if stop:
-            text = self.target.decode(gen[i] + out)
+            text = detok(gen[i] + out)
             if _find_stop(text, stop) >= 0:
                 # the token that completes it, where plain decoding stops
                 for n in range(1, len(out) + 1):
@@ -788,9 +791,12 @@ class SpeculativeDecoder:
         done = done or len(gen[i]) >= max_new
         delta = ""
         if want_text:
-            if text is None:
-                text = self.target.decode(gen[i])
+            if done and finish[i] != "stop":
+                text = self.target.decode(gen[i])  # the whole text, at once
+            elif text is None:
+                text = detok(gen[i])
             if not done:
+                detok.advance(gen[i])
                 text = _settled(text, stop)
             # Only what follows the streamed text goes out: a decoder that
             # rewrote earlier characters cannot take back what was sent.
@@ -799,6 +805,34 @@ class SpeculativeDecoder:
         if stream is not None and (out or delta):
             stream(i, out, delta)
         return done
+
+
+class _Text:
+    """A request's text without decoding all of it every step: the text of its
+    first ``at`` tokens is kept (``head``) and a call decodes only the tokens
+    after them. The anchor moves (``advance``, every ``TAIL`` tokens) only where
+    the whole text, decoded once, ends with the text of the tokens after the new
+    anchor: there the join is exact (no character split across it, and a space
+    that a decoder drops at a segment's start is in the head). Where that fails
+    it stays, and calls decode more. Called with the request's tokens, or those
+    and some not yet emitted."""
+
+    TAIL = 32
+
+    def __init__(self, decode):
+        self.decode, self.at, self.head, self.next = decode, 0, "", 2 * self.TAIL
+
+    def __call__(self, tokens) -> str:
+        return self.head + self.decode(tokens[self.at:])
+
+    def advance(self, tokens) -> None:
+        if len(tokens) < self.next:
+            return
+        self.next = len(tokens) + self.TAIL
+        at = len(tokens) - self.TAIL
+        whole, tail = self.decode(tokens), self.decode(tokens[at:])
+        if tail and whole.endswith(tail) and not tail.startswith("\ufffd"):
+            self.head, self.at = whole[:len(whole) - len(tail)], at
 
 
 def _stops(stop) -> list:
