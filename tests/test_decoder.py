@@ -696,6 +696,12 @@ def test_a_draft_model_with_fewer_positions_stops_drafting_there():
     for k in ("auto", 5):
         out = SpeculativeDecoder(target, ModelDrafter(draft), k=k).generate([1, 2, 3], 60)
         assert out.tokens == plain and out.metrics.draft_n > 0
+    # Trees in a batch: a row capped below the batch's deepest k feeds no leaves.
+    prompts = [list(range(1, 21)), [1, 2, 3]]
+    plain = [g.tokens for g in SpeculativeDecoder(target).generate(prompts, 40)]
+    for branches in (2, 3):
+        dec = SpeculativeDecoder(target, ModelDrafter(draft, branches=branches), k=5)
+        assert [g.tokens for g in dec.generate(prompts, 40)] == plain
 
 
 @pytest.mark.parametrize("prompt, error, said", [

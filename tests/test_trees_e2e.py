@@ -175,6 +175,20 @@ def test_model_tree_branches_under_greedy():
         assert len(set(d.parents)) < len(d.parents), d.parents  # a node with two children
 
 
+def test_p_min_stops_greedy_chains():
+    """p_min reads the draft's confidence (at temperature 1 for a greedy request,
+    whose q is one-hot and never fell below it: 8 of 8 tokens were drafted)."""
+    model = tiny_model(seed=1, layers=1)
+    ctx = [3, 7, 11, 3, 7]
+    for s in (Sampling(temperature=0.0), Sampling(temperature=1.0, seed=1, method="coupled")):
+        drafted = []
+        for p_min in (0.0, 0.999):
+            d = ModelDrafter(model, p_min=p_min)
+            d.start([ctx], [s])
+            drafted.append(len(d.propose([ctx], [8], [s])[0].tokens))
+        assert drafted == [8, 1], (s, drafted)
+
+
 def test_model_tree_draws_siblings_without_replacement():
     """In rejection mode siblings are drawn without replacement and each reports
     the distribution it was drawn from: those rows sum to 1 and exclude the

@@ -780,13 +780,14 @@ class SpeculativeDecoder:
         if stop:
             text = detok(gen[i] + out)
             if _find_stop(text, stop) >= 0:
-                # the token that completes it, where plain decoding stops
+                # the token that completes it, where plain decoding stops (in
+                # the text decoded whole: none where only the joined one had it)
                 for n in range(1, len(out) + 1):
                     text = self.target.decode(gen[i] + out[:n])
                     cut = _find_stop(text, stop)
                     if cut >= 0:
+                        out, text, done, finish[i] = out[:n], text[:cut], True, "stop"
                         break
-                out, text, done, finish[i] = out[:n], text[:cut], True, "stop"
         gen[i].extend(out)
         done = done or len(gen[i]) >= max_new
         delta = ""
@@ -812,10 +813,14 @@ class _Text:
     first ``at`` tokens is kept (``head``) and a call decodes only the tokens
     after them. The anchor moves (``advance``, every ``TAIL`` tokens) only where
     the whole text, decoded once, ends with the text of the tokens after the new
-    anchor: there the join is exact (no character split across it, and a space
-    that a decoder drops at a segment's start is in the head). Where that fails
-    it stays, and calls decode more. Called with the request's tokens, or those
-    and some not yet emitted."""
+    anchor, and that text starts with no split character: there the join is
+    exact for decoders whose text at a join depends on the tokens beside it
+    (byte-level BPE, SentencePiece's dropped leading space). One that rewrites
+    earlier text later (a byte-fallback run that a stray byte makes invalid)
+    can make the joined text differ: only the streamed text then, as the stream
+    never takes back what it sent; a stop is confirmed in the text decoded
+    whole, and a finished request's text is decoded whole. Called with the
+    request's tokens, or those and some not yet emitted."""
 
     TAIL = 32
 

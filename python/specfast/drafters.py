@@ -404,7 +404,8 @@ class ModelDrafter(Drafter):
     parameters, at its absolute position, so the reported q is exactly the
     distribution it was drawn from; in coupled mode it uses the request's own
     seed. ``p_min`` stops a chain early when the draft's probability of its own
-    token falls below it (llama.cpp's ``--draft-p-min``).
+    token falls below it (llama.cpp's ``--draft-p-min``; for a greedy request,
+    its probability at temperature 1).
 
     With ``branches > 1`` it drafts a tree of k nodes instead (:meth:`tree`).
 
@@ -467,6 +468,9 @@ class ModelDrafter(Drafter):
             s = [sampling[i] for i in active]
             kw = self._filters(s)
             q = _api.probs(lg, **kw)
+            # p_min reads the draft's own confidence: a greedy q is one-hot
+            greedy = self.p_min > 0 and (kw["temperature"] == 0).any()
+            conf = _api.probs(lg, **_confidence(kw)) if greedy else q
             tok = _api.sample(lg, **kw, seed=np.array([draft_seed(x.seed, x.method) for x in s],
                                                      np.uint64),
                               position=np.array([len(contexts[i]) + depth for i in active]),
@@ -476,7 +480,7 @@ class ModelDrafter(Drafter):
                 t = int(tok[j])
                 rows[i].append(t)
                 qs[i].append(q[j])
-                if len(rows[i]) < ks[i] and q[j, t] >= self.p_min:
+                if len(rows[i]) < ks[i] and conf[j, t] >= self.p_min:
                     nxt.append(i)
             depth += 1
             active = nxt
@@ -555,7 +559,9 @@ class ModelDrafter(Drafter):
                     dep[i].append(depth)
                     score[i].append(sc)
                 lg[np.arange(len(owners)), drawn] = -np.inf
-            grow = [i for i in live if born[i]]
+            # rows whose new nodes get children (a row's nodes at its depth k - 1
+            # are leaves: feeding them would pass a shorter draft model's positions)
+            grow = [i for i in live if born[i] and depth + 1 < ks[i]]
             for i in live:  # the most confident of the new nodes grow next
                 level[i] = sorted(born[i], key=lambda n: -score[i][n])[:self.branches]
             if depth + 1 < deepest and grow:
