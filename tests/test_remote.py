@@ -204,6 +204,11 @@ def test_drafter_killed_and_restarted_mid_generation(target):
                 if d.stats.sessions >= 1:  # stats are per generation
                     break
                 time.sleep(0.1)
+            assert d.stats.sessions >= 1
+            # That one may have reconnected at any step; the next opens its
+            # session at the start and drafts remotely throughout.
+            third = dec.generate(PROMPTS, 40)
+            assert [g.tokens for g in third] == [g.tokens for g in first]
             assert d.stats.sessions >= 1 and d.stats.steps > 3
         finally:
             again.stop(0)
