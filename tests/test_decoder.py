@@ -635,6 +635,18 @@ def test_adapter_refuses_what_it_cannot_run_exactly():
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**cfg, sliding_window=16))
     with pytest.raises(ValueError, match="sliding-window"):
         HFModel(mistral)
+    # A window as long as the model's positions never slides (Phi-3.5-mini's
+    # 262144 over 131072): taken, with a full-attention cache, and exact.
+    torch.manual_seed(3)
+    phi3 = HFModel(transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **cfg, pad_token_id=0, max_position_embeddings=256, sliding_window=256)).double())
+    phi3.eos_token_ids = []
+    assert {type(layer).__name__ for layer in phi3.new_state(1).cache.layers} <= {"DynamicLayer"}
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6]]
+    plain = [g.tokens for g in SpeculativeDecoder(phi3).generate(prompts, 24)]
+    for branches in (1, 3):
+        dec = SpeculativeDecoder(phi3, NgramDrafter(branches=branches), k=4)
+        assert [g.tokens for g in dec.generate(prompts, 24)] == plain
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     llama.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa"):

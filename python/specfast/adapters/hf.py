@@ -20,6 +20,7 @@ would hold it (:func:`specfast.kv_compact`, in place) and drops the siblings.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -97,7 +98,16 @@ class HFModel:
         self._sdpa = attn == "sdpa"
         from transformers import DynamicCache
 
-        kinds = {type(layer).__name__ for layer in DynamicCache(config=cfg).layers}
+        # A window no shorter than the positions the model takes never slides
+        # (Phi-3.5- and Phi-4-mini: 262144 over 131072): a full-attention cache.
+        self._cache_config = cfg
+        window = getattr(cfg, "sliding_window", None)
+        positions = getattr(cfg, "max_position_embeddings", None)
+        if window is not None and positions is not None and window >= positions:
+            self._cache_config = copy.copy(cfg)
+            self._cache_config.sliding_window = None
+        kinds = {type(layer).__name__
+                 for layer in DynamicCache(config=self._cache_config).layers}
         if kinds - {"DynamicLayer"}:
             raise ValueError(f"{self.name}: cache layers {sorted(kinds)} (sliding-window or "
                              "recurrent attention) are not supported: the adapter rolls back "
@@ -200,7 +210,7 @@ class HFModel:
 
         torch = self.torch
         return HFState(
-            cache=DynamicCache(config=self.model.config),
+            cache=DynamicCache(config=self._cache_config),
             valid=torch.zeros((batch, 0), dtype=torch.bool),
             pos=torch.zeros((batch, 0), dtype=torch.long),
             lengths=[0] * batch,
