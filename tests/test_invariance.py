@@ -314,7 +314,9 @@ def test_workers_take_the_process_cores_and_block_signals():
     t = threading.Thread(target=lambda: (os.sched_setaffinity(0, {min(cores)}), sf.sample(x)))
     t.start()
     t.join()
-    assert _pool_tasks() == before  # the pool did not restart for the pinned caller
+    # The pool did not restart for the pinned caller. (The caller's own task can
+    # outlive join() for a moment, slower under the sanitizers: left out.)
+    assert _pool_tasks() - {str(t.native_id)} == before
 
 
 if __name__ == "__main__":
