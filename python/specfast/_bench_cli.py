@@ -39,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from ._api import _MAX_VOCAB
+from ._api import _MAX_DRAFT, _MAX_VOCAB
 from .cli import count, number
 
 # ---------------------------------------------------------------------------------------
@@ -573,7 +573,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         a(flag, nargs="+", default=None, help=f"{text} (default: {shown})", **kw)
 
     case("--batch", "requests", type=count(1), metavar="B")
-    case("--draft-len", "draft tokens per request", type=count(0, 1024), metavar="K")
+    case("--draft-len", "draft tokens per request", type=count(0, _MAX_DRAFT), metavar="K")
     case("--vocab", "vocabulary", type=count(1, _MAX_VOCAB), metavar="V")
     case("--dtype", "of the target logits", choices=["float32", "bfloat16", "float16"])
     case("--method", "verification method", choices=["rejection", "coupled"])

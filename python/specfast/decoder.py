@@ -43,7 +43,6 @@ class Metrics:
     # cut included (what the drafter achieved: the acceptance statistics)
     draft_n_accepted: int = 0
     target_steps: int = 0  # target forwards after the prefill
-    request_steps: int = 0  # of those, summed over requests (a batch's totals)
     drafted_at: list = field(default_factory=list)  # per draft position: tried
     accepted_at: list = field(default_factory=list)  # per draft position: accepted
     k_chosen: dict = field(default_factory=dict)  # draft length -> steps
@@ -59,6 +58,12 @@ class Metrics:
     @property
     def acceptance_rate(self) -> float:
         return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def request_steps(self) -> int:
+        """Target steps of each request, summed (a batch's totals: more than
+        ``target_steps``)."""
+        return sum(self.k_chosen.values())
 
     @property
     def mean_accepted_length(self) -> float:
@@ -108,7 +113,7 @@ class Metrics:
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items()}
-        d.update(acceptance_rate=self.acceptance_rate,
+        d.update(request_steps=self.request_steps, acceptance_rate=self.acceptance_rate,
                  mean_accepted_length=self.mean_accepted_length,
                  per_position_acceptance=self.per_position_acceptance,
                  t_other=self.t_other, tokens_per_s=self.tokens_per_s,
@@ -671,8 +676,6 @@ class SpeculativeDecoder:
                 metrics[i]._count(drafted, n_acc, nodes)
                 total._count(drafted, n_acc, nodes)
                 metrics[i].target_steps += 1
-                metrics[i].request_steps += 1
-                total.request_steps += 1
                 for m in (metrics[i], total):
                     m.k_chosen[ks[j]] = m.k_chosen.get(ks[j], 0) + 1
                 old = len(contexts[i])

@@ -469,8 +469,8 @@ class ModelDrafter(Drafter):
             kw = self._filters(s)
             q = _api.probs(lg, **kw)
             # p_min reads the draft's own confidence: a greedy q is one-hot
-            greedy = self.p_min > 0 and (kw["temperature"] == 0).any()
-            conf = _api.probs(lg, **_confidence(kw)) if greedy else q
+            ckw = _confidence(kw)
+            conf = _api.probs(lg, **ckw) if self.p_min > 0 and ckw is not kw else q
             tok = _api.sample(lg, **kw, seed=np.array([draft_seed(x.seed, x.method) for x in s],
                                                      np.uint64),
                               position=np.array([len(contexts[i]) + depth for i in active]),
@@ -628,10 +628,11 @@ class ModelDrafter(Drafter):
 
 
 def _confidence(kw: dict) -> dict:
-    """The parameters of the probabilities that rank tree nodes: the draft's
-    own, but a greedy request's are one-hot (every runner-up would score 0,
-    and its tree stay a chain), so greedy rows rank by the unfiltered softmax
-    (temperature 1), which orders tokens as the greedy target does."""
+    """The parameters of the draft's confidence in its tokens (which ranks tree
+    nodes and which p_min reads): its own distribution, ``kw`` itself, but a
+    greedy request's is one-hot (every runner-up would score 0), so greedy rows
+    take the unfiltered softmax (temperature 1), which orders tokens as the
+    greedy target does."""
     greedy = kw["temperature"] == 0
     if not greedy.any():
         return kw

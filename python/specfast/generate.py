@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'remote:HOST:PORT' (a specfast serve-drafter)")
     parser.add_argument("--payload", choices=["tokens", "topk", "dense"], default="tokens",
                         help="what a remote drafter sends per drafted token")
-    parser.add_argument("--payload-top-k", type=_count(1, 1024), default=8, metavar="K",  # server.MAX_TOP_K
+    # 1024: remote.server.MAX_TOP_K (that module needs protobuf, an optional extra)
+    parser.add_argument("--payload-top-k", type=_count(1, 1024), default=8, metavar="K",
                         help="ids and probabilities per drafted token with --payload topk")
     parser.add_argument("--lookahead", type=_count(0, _MAX_DRAFT), default=8,
                         help="tokens a remote drafter drafts ahead while the target verifies")

@@ -308,10 +308,10 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
           tls: tuple | None = None, workers: int = 8, max_message: int = MAX_MESSAGE,
           idle: float = 600.0, max_tokens: int = MAX_TOKENS):
     """Starts a server; returns ``(server, port)``. ``make_drafter`` is called with
-    no arguments once per session (and once at start, for its name) and returns the :class:`specfast.drafters.Drafter`
-    that serves it (e.g. ``lambda: NgramDrafter()``, or a ``ModelDrafter`` over one
-    shared model). ``tls`` is ``(cert_pem, key_pem)``
-    bytes. Binds to loopback unless told otherwise; a message over
+    no arguments once per session (and once at start, for its name) and returns
+    the :class:`specfast.drafters.Drafter` that serves it (e.g. ``lambda:
+    NgramDrafter()``, or a ``ModelDrafter`` over one shared model). ``tls`` is
+    ``(cert_pem, key_pem)`` bytes. Binds to loopback unless told otherwise; a message over
     ``max_message`` bytes ends its stream (RESOURCE_EXHAUSTED); a session
     silent for ``idle`` seconds, or whose client leaves a reply unread as long,
     is closed (each holds one of ``workers``); one whose contexts would hold
