@@ -437,6 +437,18 @@ def test_draft_probs_of_integers_are_refused_as_on_cpu(dtype, sparse):
     assert str(cpu.value).startswith(f"{name} must hold floats")
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_bfloat16_draft_probs_are_rescaled_as_on_cpu(kind, rng):
+    """A bfloat16 q row within 2^-8 of 1 sums to 1 on both backends, to the same bits:
+    rows put 3e-3 off (past the 1e-3 check) decide as on the CPU, and not as errors."""
+    args, kw = batch_case(rng, 1000, "float32", kind, True, 8)
+    spec = kw["draft_probs"]
+    kw["draft_probs"] = spec[:-1] + (to_dtype(spec[-1] * np.float32(1.003), "bfloat16"),)
+    kw["temperature"] = np.maximum(kw["temperature"], np.float32(0.5))  # no greedy rows
+    cpu, gpu = run_both(args, kw, "rejection")
+    assert_same(cpu, gpu, kind)
+
+
 def test_sparse_tensors_are_refused_by_layout_as_on_cpu():
     """Sparse logits, tokens or q: the CPU's TypeError naming the layout."""
     x, tokens, q = torch.zeros(2, 8), torch.tensor([1], dtype=torch.int32), torch.full((1, 8), 0.125)

@@ -547,6 +547,32 @@ def test_float_draft_tokens(dtype):
     raises(lambda: sf.verify(**kw), r"dtype|int|token|type")
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_torch_tensors_numpy_cannot_read_are_type_errors():
+    """Nested tensors (whose layout says strided), tensors on devices that are neither
+    the CPU nor CUDA, and dtypes numpy lacks: a TypeError naming the argument. They
+    raised torch's internal RuntimeError, NotImplementedError ("CPU tensors only"),
+    and a TypeError naming only the dtype."""
+    torch = pytest.importorskip("torch")
+    kw = base_verify()
+    rows = torch.from_numpy(base_rows())
+    nested = torch.nested.nested_tensor([rows[0], rows[1, :4]])
+    meta, f8 = rows.to("meta"), rows.to(torch.float8_e4m3fn)
+    for fn in (sf.probs, sf.sample):
+        raises(lambda: fn(nested), r"logits must be a regular tensor")
+        raises(lambda: fn(torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)),
+               r"logits must be a dense tensor, got layout torch.jagged")
+        raises(lambda: fn(meta), r"logits is on meta")
+        raises(lambda: fn(f8), r"logits must be float32.*float8")
+        raises(lambda: fn(rows, temperature=torch.ones(4).to("meta")), r"temperature is on meta")
+    raises(lambda: sf.verify(**dict(kw, draft_tokens=torch.nested.nested_tensor(
+        [torch.tensor([1, 2]), torch.tensor([3])]))), r"draft_tokens must be a regular")
+    q = torch.from_numpy(kw["draft_probs"])
+    raises(lambda: sf.verify(**dict(kw, draft_probs=q.to(torch.float8_e4m3fn))),
+           r"draft_probs has dtype torch.float8")
+    raises(lambda: sf.verify(**dict(kw, draft_probs=q.to("meta"))), r"draft_probs is on meta")
+
+
 def test_float_sparse_ids():
     kw, ids, vals = base_sparse()
 
@@ -627,6 +653,50 @@ def test_ml_dtypes_bfloat16_parameters_and_draft_probs():
                     temperature=np.array([0.5, 1.0, 2.0], bf16), seed=3)
     np.testing.assert_array_equal(got.tokens, ref.tokens)
     raises(lambda: sf.sample(base_rows(), top_k=np.array([2] * 4, bf16)), r"top_k.*integers")
+
+
+def _bf16_row_off_by(vocab, lo, hi):
+    """A float32 distribution whose bfloat16 rounding sums to 1 + d, lo < |d| < hi."""
+    torch = pytest.importorskip("torch")
+    for seed in range(1000):
+        z = np.random.default_rng(seed).standard_normal(vocab) * 2
+        q = np.exp(z - z.max())
+        q = torch.tensor(q / q.sum(), dtype=torch.float32).to(torch.bfloat16)
+        if lo < abs(q.double().sum().item() - 1) < hi:
+            return q
+    raise AssertionError("no such row")
+
+
+def test_bfloat16_draft_probs_rows_are_rescaled():
+    """bfloat16 keeps 8 significant bits, so a q row rounded to it can sum to 1 +- 2e-3,
+    past the 1e-3 check: such a row (within 2^-8 of 1) is rescaled to sum to 1, as
+    sampling from it does; dense and sparse, from torch or ml_dtypes. It raised
+    "malformed draft probabilities" for most seeds. A row further off still does."""
+    torch = pytest.importorskip("torch")
+    vocab = 64
+    row = _bf16_row_off_by(vocab, 1.2e-3, 2 ** -8)
+    logits = np.random.default_rng(1).standard_normal((3, vocab)).astype(np.float32)
+    logits[0, 1] = -np.inf  # node 0's draft (token 1) is rejected: q's sum is checked
+    q = torch.stack([row, torch.full((vocab,), 1 / vocab, dtype=torch.bfloat16)])
+    q[0, 1] = 0
+    q32 = q.float().numpy()
+    q32 *= (1 / q32.sum(axis=1, dtype=np.float64, keepdims=True)).astype(np.float32)
+    kw = dict(target_logits=logits, draft_tokens=np.array([1, 2], np.int32),
+              num_draft=np.array([2], np.int32), parents=np.array([-1, -1], np.int32))
+    ids = torch.arange(vocab, dtype=torch.int32).repeat(2, 1)
+    for seed in range(8):
+        want = sf.verify(**kw, draft_probs=q32, seed=seed).tokens
+        np.testing.assert_array_equal(sf.verify(**kw, draft_probs=q, seed=seed).tokens, want)
+        sparse = sf.verify(**kw, draft_probs=sf.SparseProbs(ids, q), seed=seed).tokens
+        np.testing.assert_array_equal(sparse, want)
+        if BF16 is not None:
+            got = sf.verify(**kw, draft_probs=q.float().numpy().astype(BF16), seed=seed)
+            np.testing.assert_array_equal(got.tokens, want)
+    off = q.clone()
+    off[0] *= 1.01
+    raises(lambda: sf.verify(**kw, draft_probs=off), r"malformed draft probabilities")
+    raises(lambda: sf.verify(**kw, draft_probs=sf.SparseProbs(ids, off)),
+           r"malformed draft probabilities")
 
 
 def test_c_entries_refuse_sizes_whose_extent_wraps():

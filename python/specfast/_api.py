@@ -42,7 +42,7 @@ class SparseProbs:
             return
         self._torch = _is_torch(indices) or _is_torch(values)
         idx = _int_array(indices, "SparseProbs indices", ndim=2)
-        val = _float_array(values, "SparseProbs values", ndim=2)
+        val = _float_array(values, "SparseProbs values", ndim=2, probs=True)
         if idx.shape != val.shape:
             raise ValueError(
                 f"SparseProbs: indices {idx.shape} and values {val.shape} must have the same shape"
@@ -97,20 +97,24 @@ def _is_torch(x) -> bool:
 
 
 def _strided(t, name):
-    """Refuses a sparse or mkldnn tensor, which has no strides to read."""
+    """Refuses a sparse, mkldnn or nested tensor, which has no strides to read."""
     if t.layout != _torch().strided:
         raise TypeError(f"{name} must be a dense tensor, got layout {t.layout} "
                         "(call .to_dense())")
+    if t.is_nested:  # its layout says strided
+        raise TypeError(f"{name} must be a regular tensor, got a nested one")
 
 
 def _torch_to_numpy(t, name):
     _strided(t, name)
     if t.device.type != "cpu":
-        raise NotImplementedError(
-            f"{name} is on {t.device}; this build of specfast runs on CPU tensors only"
-        )
-    # A negated view (x.conj().imag) holds its values negated: resolved to a copy.
-    return t.detach().resolve_neg().numpy()
+        raise TypeError(f"{name} is on {t.device}: specfast takes CPU tensors, and CUDA "
+                        "tensors when the logits are on a CUDA device")
+    try:
+        # A negated view (x.conj().imag) holds its values negated: resolved to a copy.
+        return t.detach().resolve_neg().numpy()
+    except TypeError:  # a dtype numpy lacks (float8, complex32, quantized)
+        raise TypeError(f"{name} has dtype {t.dtype}, which specfast does not take") from None
 
 
 _I32 = np.dtype(np.int32)
@@ -161,17 +165,33 @@ def _int_array(x, name, ndim):
     return np.ascontiguousarray(a)
 
 
-def _float_array(x, name, ndim):
+# bfloat16 keeps 8 significant bits: rounding each probability can move a row's
+# sum by up to 2^-8, past the 1e-3 that the kernels allow.
+_BF16_SUM_SLACK = 2.0 ** -8
+
+
+def _float_array(x, name, ndim, probs=False):
+    """x as contiguous float32. probs: rows of probabilities, and a bfloat16 row
+    whose sum is within its rounding of 1 is rescaled to sum to 1."""
+    bf16 = False
     if _is_torch(x):
-        x = _torch_to_numpy(x.float() if str(x.dtype) == "torch.bfloat16" else x, name)
+        bf16 = str(x.dtype) == "torch.bfloat16"
+        x = _torch_to_numpy(x.float() if bf16 else x, name)
     a = np.asarray(x)
     if a.dtype.name == "bfloat16":  # ml_dtypes; float32 holds it exactly
-        a = a.astype(np.float32)
+        a, bf16 = a.astype(np.float32), True
     if a.dtype.kind != "f":
         raise TypeError(f"{name} must hold floats, got dtype {a.dtype}")
     if a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if probs and bf16 and a.size:  # a is a copy here
+        # Times a float32 1 / sum, as the CUDA backend does: the same bits.
+        s = a.sum(axis=-1, dtype=np.float64, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):  # a row summing to 0 or inf
+            inv = np.where(np.abs(s - 1.0) <= _BF16_SUM_SLACK, 1.0 / s, 1.0).astype(np.float32)
+        a *= inv
+    return a
 
 
 def _logits(x, name="target_logits"):
@@ -193,7 +213,9 @@ def _logits(x, name="target_logits"):
         else:
             try:
                 a = _torch_to_numpy(x, name)
-            except TypeError:  # a dtype numpy lacks (float8, complex32)
+            except TypeError:
+                if x.device.type != "cpu":
+                    raise
                 raise TypeError(f"{name} must be float32, float16 or bfloat16, "
                                 f"got dtype {x.dtype}") from None
             code = None
@@ -541,6 +563,9 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     draft_probs : None, float32 array ``(N, V)`` or :class:`SparseProbs`
         The distribution each node's token was drawn from. None: the drafts are
         deterministic (one-hot). A token whose draft probability is 0 is rejected.
+        Other float dtypes are widened to float32; a bfloat16 row within 2^-8 of
+        summing to 1 (its rounding alone can move the sum that far) is rescaled
+        to sum to 1.
     parents : None or int array ``(N,)``
         Per node, the local index of its parent within its request, -1 for a
         child of row 0; parents precede children. None: chains.
@@ -624,7 +649,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         d.sparse_ids = _ptr("int32_t *", draft_probs.indices)
         d.sparse_probs = _ptr("float *", draft_probs.values)
     else:
-        q = _float_array(draft_probs, "draft_probs", 2)
+        q = _float_array(draft_probs, "draft_probs", 2, probs=True)
         if q.shape != (n, vocab):
             raise ValueError(f"draft_probs must have shape ({n}, {vocab}), got {q.shape}")
         keep.append(q)

@@ -35,9 +35,9 @@ import cffi
 import numpy as np
 
 from ._cdef import CDEF
-from ._api import (_MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array, _as_float,
-                   _first_bad_param, _is_int, _method, _param_detail, _scalar, _strided,
-                   _torch)
+from ._api import (_BF16_SUM_SLACK, _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array,
+                   _as_float, _first_bad_param, _is_int, _method, _param_detail, _scalar,
+                   _strided, _torch)
 from ._lib import library_path, open_library
 
 CUDA_CDEF = """
@@ -159,12 +159,20 @@ def _dtype_kind(value, name):
     return a.shape, a.dtype, a.dtype.kind
 
 
-def _floats(value, name):
-    """Probabilities must be floats, as on the CPU (ints and bools were cast)."""
+def _probs(value, dev, name):
+    """Rows of probabilities as a float32 device tensor, as the CPU takes them:
+    floats only (ints and bools were cast), a bfloat16 row within its rounding
+    of 1 rescaled to sum to 1 (on the device, no sync)."""
+    torch = _torch()
     _, dt, kind = _dtype_kind(value, name)
-    if kind != "f" and getattr(dt, "name", None) != "bfloat16":
+    bf16 = dt == torch.bfloat16 or getattr(dt, "name", None) == "bfloat16"
+    if kind != "f" and not bf16:
         raise TypeError(f"{name} must hold floats, got dtype {dt}")
-    return value
+    t = _on_device(value, torch.float32, dev, name, 2)
+    if bf16 and t.numel():
+        s = t.sum(dim=1, keepdim=True, dtype=torch.float64)
+        t = t * torch.where((s - 1.0).abs() <= _BF16_SUM_SLACK, 1.0 / s, 1.0).float()
+    return t
 
 
 def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
@@ -379,8 +387,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         ids, vals = ((draft_probs.indices, draft_probs.values)
                      if isinstance(draft_probs, SparseProbs) else draft_probs)
         ids = _on_device(ids, torch.int32, dev, "SparseProbs indices", 2)
-        vals = _on_device(_floats(vals, "SparseProbs values"), torch.float32, dev,
-                          "SparseProbs values", 2)
+        vals = _probs(vals, dev, "SparseProbs values")
         if ids.shape != vals.shape or ids.shape[0] != n or ids.shape[1] < 1:
             raise ValueError(
                 f"sparse draft_probs must be two ({n}, K) arrays, got {tuple(ids.shape)} "
@@ -390,7 +397,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         d.kind, d.sparse_k = 2, ids.shape[1]
         d.sparse_ids, d.sparse_probs = _ptr(ids), _ptr(vals)
     else:
-        q = _on_device(_floats(draft_probs, "draft_probs"), torch.float32, dev, "draft_probs", 2)
+        q = _probs(draft_probs, dev, "draft_probs")
         if tuple(q.shape) != (n, vocab):
             raise ValueError(f"draft_probs must have shape ({n}, {vocab}), got {tuple(q.shape)}")
         keep.append(q)
