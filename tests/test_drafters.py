@@ -165,6 +165,38 @@ def test_ngram_rollback_forgets_rejected_tokens():
         assert d._index[0] == fresh._index[0]
 
 
+@pytest.mark.parametrize("branches", [1, 3], ids=["chain", "tree"])
+def test_ngram_drafts_after_a_look_ahead_as_without_it(branches):
+    """A server drafting ahead proposes on an assumed context (its draft accepted
+    whole) and then rolls back to what the target kept. The source a chain copies
+    came back with it: it was forgotten, so after a partial acceptance the next
+    draft lost its resync (46 target steps became 75 on a rewrite)."""
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 12, size=80).tolist()  # ids recur: one token back is ambiguous
+    rewrite = [t for j, t in enumerate(src) if j % 7 != 3]  # the target drops a token now and then
+    prompt = src + [45]
+
+    def run(lookahead):
+        d = NgramDrafter(branches=branches)
+        ctx, drafts = prompt + rewrite[:1], []
+        d.start([ctx], [Sampling()])
+        while len(ctx) - len(prompt) < len(rewrite):
+            draft = d.propose([ctx], [4], [Sampling()])[0]
+            drafts.append(draft.tokens)
+            want = rewrite[len(ctx) - len(prompt):]
+            n = 0  # greedy acceptance of the chain (a tree's first path)
+            while n < min(len(draft.tokens), len(want) - 1) and draft.tokens[n] == want[n] \
+                    and (draft.parents is None or draft.parents[n] == n - 1):
+                n += 1
+            if lookahead:
+                d.propose([ctx + draft.tokens], [5], [Sampling()])
+            d.rollback([len(ctx) + n])
+            ctx = ctx + want[:n + 1]
+        return drafts
+
+    assert run(lookahead=True) == run(lookahead=False)
+
+
 @pytest.mark.parametrize("spec", ["ngram:x", "ngram:0", "ngram:"])
 def test_make_refuses_a_bad_ngram_spec(spec):
     from specfast.drafters import make

@@ -905,3 +905,218 @@ def test_an_empty_token_is_refused(tmp_path):
                           "--token-file", str(empty)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "holds no token" in out.stderr
+
+
+def test_a_step_that_timed_out_is_not_priced_as_drafting(target):
+    """A step whose drafts never came waited the whole timeout: that time is not what
+    drafting costs (Drafter.stalled), so the draft length controller leaves it out.
+    It kept it, priced the fallback's drafts at the timeout, and hardly drafted
+    again in that generation (270 target steps where 29 did)."""
+    calls = [0]
+
+    class HangsOnce(NgramDrafter):
+        def propose(self, contexts, ks, sampling):
+            calls[0] += 1
+            if calls[0] == 2:
+                time.sleep(1.0)
+            return super().propose(contexts, ks, sampling)
+
+    server, port = serve(lambda: HangsOnce())
+    d = remote(port, target, timeout=0.3, retry=60.0)
+    try:
+        ctx = [[1, 2, 3, 1, 2]]
+        d.start(ctx, [Sampling()])
+        stalled = []
+        for _ in range(3):
+            d.propose(ctx, [2], [Sampling()])
+            stalled.append(d.stalled)
+        assert stalled == [False, True, False] and d.stats.local_steps == 2
+        d.close()
+        calls[0] = 0
+        d = remote(port, target, timeout=0.3, retry=60.0)
+        dec = SpeculativeDecoder(target, d, k=4)
+        out = dec.generate(PROMPTS[0], 24)
+        assert out.tokens == reference(target, PROMPTS[0], 24, temperature=0.0)
+        assert any("TimeoutError" in f for f in d.stats.failures)
+        seen = [t for times in dec.controller._draft.values() for t in times]
+        assert seen and max(seen) < 0.3, seen
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def test_backoff_outlives_the_generation(target):
+    """A drafter that failed is tried again after retry seconds, not at the next
+    generation's start: each start tried a hung drafter and paid the timeout."""
+    release = threading.Event()
+
+    class Hung(pb_grpc.DrafterServicer):
+        def Session(self, messages, context):
+            next(messages)
+            release.wait(20)
+            return
+            yield
+
+    server, port = _fake_server(Hung())
+    d = remote(port, target, timeout=0.3, retry=60.0)
+    try:
+        dec = SpeculativeDecoder(target, d, k=2)
+        for _ in range(3):
+            dec.generate(PROMPTS[0], 4)
+        assert d.stats.failures == []  # this generation's: no try was made
+        assert d.stats.local_steps > 0 and d.stats.sessions == 0
+    finally:
+        release.set()
+        d.close()
+        server.stop(0)
+
+
+def test_the_client_reads_ahead_a_bounded_number_of_replies(target):
+    """A drafter that streams replies faster than steps read them fills gRPC's
+    window, not the target's memory (the client queued 300 stale 1 MB messages
+    within 3 s)."""
+    def flood(step):
+        out = pb.Drafts(step=step.step)
+        for u in step.updates:
+            out.drafts.add(tokens=[3] * u.k)
+        yield pb.FromDrafter(drafts=out)
+        for _ in range(100):
+            yield pb.FromDrafter(drafts=pb.Drafts(step=0, ahead=True,
+                                                  drafts=[pb.Draft(probs=bytes(1 << 16))]))
+
+    server, port = _fake_server(_Scripted(flood))
+    before = set(threading.enumerate())
+    d = remote(port, target)
+    try:
+        ctx = [[1, 2, 3, 1, 2]]
+        d.start(ctx, [Sampling()])
+        assert d.propose(ctx, [2], [Sampling()])[0].tokens == [3, 3]
+        time.sleep(0.5)
+        assert d._stream._in.qsize() <= d._stream.INBOX
+    finally:
+        d.close()
+        server.stop(0)
+    time.sleep(1.0)  # the reader, blocked on the full inbox, ends with the stream
+    assert not [t for t in set(threading.enumerate()) - before if t.name.endswith("(_read)")]
+
+
+def test_drafts_are_cut_to_the_sessions_limits(draft_model):
+    """A step's drafts count against max_tokens with the contexts (a model drafter
+    holds them in its cache), and a DENSE step's rows must fit in one message: k is
+    cut to what is left. 20 requests asking 300 tokens each, at max_tokens=100, had
+    the drafter hold 6080 tokens."""
+    server, port = serve(lambda: ModelDrafter(draft_model), max_tokens=100,
+                         max_message=(1 << 21) + 4 * 64 * (4 * draft_model.vocab_size + 10))
+    try:
+        h = pb.Hello(version=1, payload=pb.DENSE, vocab_size=draft_model.vocab_size)
+        for _ in range(20):
+            h.requests.add(tokens=[1, 2, 3, 4], sampling=pb.Sampling(temperature=1.0))
+        replies = raw_session(port, [pb.ToDrafter(hello=h), _step(1, [([], 300)] * 20)])
+        sizes = [len(d.tokens) for d in replies[-1].drafts.drafts]
+        assert [r.WhichOneof("msg") for r in replies] == ["welcome", "drafts"]
+        assert sum(sizes) == 20 and sizes[0] == 20  # 100 - 80 held, first requests first
+        h.requests[0].tokens[:] = [1]
+        replies = raw_session(port, [pb.ToDrafter(hello=h), _step(1, [([], 300)] * 20)])
+        assert sum(len(d.tokens) for d in replies[-1].drafts.drafts) == 23  # 100 - 77
+    finally:
+        server.stop(0)
+    server, port = serve(lambda: ModelDrafter(draft_model),
+                         max_message=(1 << 21) + 4 * 64 * (4 * draft_model.vocab_size + 10))
+    try:
+        replies = raw_session(port, [pb.ToDrafter(hello=h), _step(1, [([], 300)] * 20)])
+        assert sum(len(d.tokens) for d in replies[-1].drafts.drafts) == 4 * 64  # the message
+    finally:
+        server.stop(0)
+
+
+def test_dense_drafts_of_a_smaller_draft_vocabulary_travel(target):
+    """A draft model with fewer ids than the target (the server takes it) sends its
+    dense rows padded with zeros to the target's vocabulary; they were sent at the
+    draft model's width and refused every step ("a dense draft of the wrong size")."""
+    big, small = tiny_model(vocab=48, seed=0), tiny_model(vocab=40, seed=1)
+    with torch.no_grad():  # the target's top 5 stay in the draft's ids
+        big.model.lm_head.weight[40:] = 0
+    server, port = serve(lambda: ModelDrafter(small))
+    d = remote(port, big, payload="dense")
+    try:
+        out = SpeculativeDecoder(big, d, k=3).generate([1, 2, 3, 1, 2, 3, 1], 12,
+                                                       temperature=1.0, top_k=5, seed=3,
+                                                       method="rejection")
+        assert len(out.tokens) == 12
+        assert d.stats.steps > 0 and d.stats.local_steps == 0, d.stats.failures
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def test_a_batch_past_the_servers_limit_drafts_locally(target, monkeypatch):
+    """More requests than the server serves is a transient refusal (drafted locally),
+    as more tokens is: it raised RemoteError and failed the generation."""
+    from specfast.remote import server as srv
+
+    monkeypatch.setattr(srv, "MAX_BATCH", 2)
+    server, port = serve(lambda: NgramDrafter())
+    d = remote(port, target)
+    try:
+        out = SpeculativeDecoder(target, d, k=2).generate(PROMPTS[:3], 6)
+        assert [o.tokens for o in out] == [reference(target, p, 6, temperature=0.0)
+                                           for p in PROMPTS[:3]]
+        assert d.stats.sessions == 0 and "at most 2 requests" in d.stats.failures[0]
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def test_an_unused_top_k_slot_may_hold_any_id(target):
+    """drafter.proto: a slot of probability 0 is unused and its id means nothing; a
+    drafter padding with 0xFFFFFFFF had every draft refused."""
+    def padded(step):
+        out = pb.Drafts(step=step.step)
+        for u in step.updates:
+            d = out.drafts.add(tokens=[3] * min(u.k, 1))
+            for _ in d.tokens:
+                d.ids.extend([3, 0xFFFFFFFF])
+                d.probs += np.array([1.0, 0.0], "<f4").tobytes()
+        yield pb.FromDrafter(drafts=out)
+
+    server, port = _fake_server(_Scripted(padded))
+    d = remote(port, target, payload="topk", top_k=2)
+    try:
+        ctx = [[1, 2, 3, 1, 2]]
+        d.start(ctx, [Sampling(temperature=1.0)])
+        got = d.propose(ctx, [2], [Sampling(temperature=1.0)])[0]
+        assert got.tokens == [3] and d.stats.failures == []
+        assert got.probs.indices.tolist() == [[3, -1]]
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def test_the_delay_proxy_closes_what_ended():
+    """DelayProxy closes both sockets of a connection once both directions have
+    ended (they stayed open until the proxy closed)."""
+    import socket
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def echo():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.sendall(c.recv(16))
+            c.close()
+
+    threading.Thread(target=echo, daemon=True).start()
+    with DelayProxy(("127.0.0.1", port), delay=0.0) as proxy:
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", proxy.port)) as c:
+                c.sendall(b"hi")
+                assert c.recv(16) == b"hi"
+        deadline = time.monotonic() + 5
+        while proxy._conns and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proxy._conns == []
+    srv.close()

@@ -645,7 +645,7 @@ class SpeculativeDecoder:
             drafts = _checked(drafts, ks, len(live), target, drafter)
             step_ks[max(ks)] = step_ks.get(max(ks), 0) + 1
             t_draft = time.perf_counter() - t0
-            if not cheap:
+            if not cheap and not getattr(drafter, "stalled", False):  # a fault's wait
                 ctl.observe_draft(max(ks), t_draft)
 
             t0 = time.perf_counter()

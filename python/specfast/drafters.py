@@ -118,11 +118,15 @@ class Drafter:
     ``cheap`` says proposing costs next to nothing whatever the length: the
     decoder then asks for the longest useful draft first and lets the draft
     length controller cut it, knowing the draft (and its ``match``).
+    ``stalled`` is true when the last ``propose`` first waited on a fault (a
+    remote drafter's timeout or reconnection): its time says nothing of what
+    drafting costs, and the draft length controller leaves it out.
     """
 
     name = "drafter"
     deterministic = True
     cheap = False
+    stalled = False
 
     def start(self, contexts: list, sampling: list) -> None:
         """A new generation of ``len(contexts)`` requests with these prompt ids."""
@@ -213,13 +217,19 @@ class NgramDrafter(Drafter):
         self._index: list = []
         self._indexed: list = []  # n-grams ending before this position are indexed
         self._tokens: list = []  # the tokens they were read from
-        self._copy: list = []  # (source start, context length) of the last chain, or None
+        # (source start or -1, context length) of the last chain, after the one
+        # drafted before it at a shorter context: a rollback past the last (a
+        # server's look-ahead, drafted after unverified tokens) returns to it
+        self._copy: list = []
 
     def start(self, contexts, sampling):
         self._index = [{} for _ in contexts]
         self._indexed = [0 for _ in contexts]
         self._tokens = [[] for _ in contexts]
-        self._copy = [None for _ in contexts]
+        self._copy = [[] for _ in contexts]
+
+    def _set_copy(self, i, start, n):
+        self._copy[i] = [c for c in self._copy[i] if c[1] < n][-1:] + [(start, n)]
 
     def _keys(self, toks, e):
         """The indexed n-grams ending at position e."""
@@ -255,8 +265,8 @@ class NgramDrafter(Drafter):
                         del index[key]
             del toks[keep:]
             self._indexed[i] = keep
-            if self._copy[i] is not None and n_keep < self._copy[i][1]:
-                self._copy[i] = None  # drafted after unverified tokens (a look-ahead)
+            # a copy drafted after unverified tokens (a look-ahead) is forgotten
+            self._copy[i] = [c for c in self._copy[i] if c[1] <= n_keep]
 
     def lookup(self, i, ctx):
         """(end position of the chosen match, matched length), or (-1, 0)."""
@@ -294,9 +304,9 @@ class NgramDrafter(Drafter):
         if the copy was running (two or more tokens accepted), the target
         inserted its token and the copy goes on at s + a.
         """
-        if self._copy[i] is None:
+        if not self._copy[i] or self._copy[i][-1][0] < 0:
             return -1
-        s, n = self._copy[i]
+        s, n = self._copy[i][-1]
         a = len(ctx) - 1 - n
         p = s + a
         if a < 0 or p >= n or ctx[n:n + a] != ctx[s:p]:
@@ -348,7 +358,7 @@ class NgramDrafter(Drafter):
                 found = [(r - 1, self.RESYNC_MATCH)] + [m for m, _ in rest]
                 weights = [sum(w for _, w in rest) + self.RESYNC_MATCH ** 2] + [w for _, w in rest]
                 match = self.RESYNC_MATCH
-        self._copy[i] = (found[0][0] + 1, len(ctx)) if found else None
+        self._set_copy(i, found[0][0] + 1 if found else -1, len(ctx))
         if not found:
             return Draft([])
         nodes, weight, children = [], [], {}  # node: (token, parent, depth)
@@ -382,7 +392,7 @@ class NgramDrafter(Drafter):
                     if r >= 0:
                         start, n = r, self.RESYNC_MATCH
                 tokens = list(ctx[start:start + k]) if start >= 0 else []
-                self._copy[i] = (start, len(ctx)) if tokens else None
+                self._set_copy(i, start if tokens else -1, len(ctx))
                 if tokens:
                     out.append(Draft(tokens, None, n))
                     continue

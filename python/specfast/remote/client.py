@@ -81,20 +81,36 @@ class TransferStats:
 class _Stream:
     """One gRPC bidirectional stream with bounded waits."""
 
+    INBOX = 8  # replies read ahead; a step brings at most two (drafts, look-ahead)
+
     def __init__(self, stub, timeout):
         self._out: queue.Queue = queue.Queue()
-        self._in: queue.Queue = queue.Queue()
+        # Bounded: a drafter that sends faster than steps read waits in gRPC's
+        # flow control, instead of filling this process's memory.
+        self._in: queue.Queue = queue.Queue(maxsize=self.INBOX)
+        self._closed = threading.Event()
         self._call = stub.Session(iter(self._out.get, None))
         self.timeout = timeout
         threading.Thread(target=self._read, daemon=True).start()
 
+    def _hand(self, item) -> bool:
+        """Queues item for the reader; False once the stream is closed."""
+        while not self._closed.is_set():
+            try:
+                self._in.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                pass
+        return False
+
     def _read(self):
         try:
             for msg in self._call:
-                self._in.put(msg)
+                if not self._hand(msg):
+                    return
         except Exception as e:  # the stream broke: wake the reader up
-            self._in.put(e)
-        self._in.put(EOFError("the drafter closed the stream"))
+            self._hand(e)
+        self._hand(EOFError("the drafter closed the stream"))
 
     def send(self, msg):
         self._out.put(msg)
@@ -129,6 +145,7 @@ class _Stream:
         return msg
 
     def close(self):
+        self._closed.set()
         self._out.put(None)
         self._call.cancel()  # ends the server's side too, and our reader
 
@@ -230,17 +247,24 @@ class RemoteDrafter(Drafter):
         self._sampling = list(sampling)
         self.stats = TransferStats()  # per generation
         self._close()
-        self._next_try, self._failed = 0.0, 0
-        self._connect(strict=True)
+        # A drafter that failed in an earlier generation waits out its backoff:
+        # each try at a hung one would cost this generation the whole timeout.
+        if time.monotonic() >= self._next_try:
+            self._connect(strict=True)
 
     def propose(self, contexts, ks, sampling):
         self._contexts = contexts
+        # A step that tried to connect, or whose drafts never came, waited on
+        # that: its time is not what drafting costs (Drafter.stalled).
+        self.stalled = False
         if self._stream is None and time.monotonic() >= self._next_try:
+            self.stalled = True
             self._connect()
         if self._stream is not None:
             try:
                 return self._remote(contexts, ks)
             except (TimeoutError, ConnectionError, RemoteError) as e:
+                self.stalled = True
                 self._lost(e)
         self.stats.local_steps += 1
         return self.fallback.propose(contexts, ks, sampling)
@@ -436,7 +460,7 @@ class RemoteDrafter(Drafter):
             vals = _floats(d.probs)
             if ids.size != n * self.top_k or vals.size != ids.size:
                 raise RemoteError("a top-k draft of the wrong size")
-            if ids.max() >= self.vocab_size:
+            if np.any(ids[vals > 0] >= self.vocab_size):  # an unused slot's id means nothing
                 raise RemoteError("a top-k draft with ids outside the vocabulary")
             ids = np.where(vals > 0, ids, -1).astype(np.int32)  # unused slots
             _check_probs(vals.reshape(n, self.top_k), sparse=True)

@@ -43,7 +43,9 @@ class DelayProxy:
     def close(self):
         self._closed.set()
         self._sock.close()
-        for s in self._conns:
+        with self._count:
+            conns = list(self._conns)
+        for s in conns:
             try:
                 s.close()
             except OSError:
@@ -64,10 +66,22 @@ class DelayProxy:
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._conns.append(s)
-            self._pipe(client, server, "bytes_up")
-            self._pipe(server, client, "bytes_down")
+            pumps = [2]  # directions still open: the sockets close with the last
 
-    def _pipe(self, src, dst, counter):
+            def ended(pair=(client, server), pumps=pumps):
+                with self._count:
+                    pumps[0] -= 1
+                    if pumps[0]:
+                        return
+                    for s in pair:
+                        self._conns.remove(s)
+                for s in pair:
+                    s.close()
+
+            self._pipe(client, server, "bytes_up", ended)
+            self._pipe(server, client, "bytes_down", ended)
+
+    def _pipe(self, src, dst, counter, ended):
         chunks: queue.Queue = queue.Queue()
 
         def read():
@@ -81,6 +95,12 @@ class DelayProxy:
                     return
 
         def write():
+            try:
+                pump()
+            finally:
+                ended()
+
+        def pump():
             tokens, last = float(self.burst), time.monotonic()
             while True:
                 due, data = chunks.get()

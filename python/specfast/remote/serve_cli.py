@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a silent session (or a reply left unread) is kept "
                              "before the session is closed")
     parser.add_argument("--max-tokens", type=count(1), default=None,
-                        help="context tokens a session may hold, all its requests together "
-                             "(default 2^21)")
+                        help="tokens a session may hold, all its requests' contexts and "
+                             "drafts together (default 2^21)")
 
 
 def run(args) -> int:

@@ -1,7 +1,7 @@
 """The drafter side: serves any :class:`specfast.drafters.Drafter` over gRPC.
 
     specfast serve-drafter --drafter ngram --port 50061
-    specfast serve-drafter --drafter ./small-model --host 0.0.0.0 --token SECRET
+    specfast serve-drafter --drafter ./small-model --host 0.0.0.0 --token-file secret.txt
 
 Each stream is one generation with a drafter of its own (made by the factory),
 so concurrent targets do not share state. The server keeps the verified
@@ -66,6 +66,8 @@ def encode_draft(d, payload: int, top_k: int, vocab: int):
     if payload == pb.DENSE:
         q = d.probs.dense(vocab) if isinstance(d.probs, _api.SparseProbs) else \
             np.asarray(d.probs, np.float32)
+        if q.shape[1] < vocab:  # a draft model's smaller vocabulary: the rest has q = 0
+            q = np.pad(q, ((0, 0), (0, vocab - q.shape[1])))
         msg.probs = np.ascontiguousarray(q, "<f4").tobytes()
         return msg
     if isinstance(d.probs, _api.SparseProbs):
@@ -90,7 +92,7 @@ def encode_draft(d, payload: int, top_k: int, vocab: int):
 class _Session:
     """One generation: the verified contexts, the sampling and a drafter."""
 
-    def __init__(self, hello, drafter, max_tokens=MAX_TOKENS):
+    def __init__(self, hello, drafter, max_tokens=MAX_TOKENS, max_message=MAX_MESSAGE):
         if hello.version != VERSION:
             raise ProtocolError(f"protocol version {hello.version} is not supported "
                                 f"(this drafter speaks version {VERSION})")
@@ -98,8 +100,10 @@ class _Session:
             raise ProtocolError("hello: payload must be TOKENS, TOP_K or DENSE")
         if hello.payload == pb.TOP_K and not 1 <= hello.top_k <= MAX_TOP_K:
             raise ProtocolError(f"hello: TOP_K payload needs 1 <= top_k <= {MAX_TOP_K}")
-        if not 1 <= len(hello.requests) <= MAX_BATCH:
-            raise ProtocolError(f"hello: 1 to {MAX_BATCH} requests, got {len(hello.requests)}")
+        if not hello.requests:
+            raise ProtocolError("hello: no requests")
+        if len(hello.requests) > MAX_BATCH:  # more than this drafter serves: drafted locally
+            raise OverLimit(f"hello: at most {MAX_BATCH} requests, got {len(hello.requests)}")
         if not 0 < hello.vocab_size <= _api._MAX_VOCAB:
             raise ProtocolError(f"hello: vocab_size must be in (0, {_api._MAX_VOCAB}]")
         if hello.lookahead > MAX_DRAFT:
@@ -112,6 +116,9 @@ class _Session:
         self.last = []  # the drafts of the last step, for the look-ahead
         self.payload, self.top_k = hello.payload, hello.top_k
         self.max_tokens = max_tokens
+        # A step's dense rows must fit in one message (4 bytes a token of the
+        # vocabulary, 10 for its id and parent, 32 per request of framing).
+        self.max_dense = max(1, (max_message - 32 * MAX_BATCH) // (4 * self.vocab + 10))
         self.held = 0  # context tokens held, all requests together
         self.contexts = [self._tokens(r.tokens, "prompt") for r in hello.requests]
         if any(not c for c in self.contexts):
@@ -140,6 +147,21 @@ class _Session:
                                 + (" (the drafter's vocabulary)" if self.ids < self.vocab else ""))
         return t
 
+    def _budget(self, ks, held):
+        """ks cut, first requests first, so that the drafter holds at most
+        max_tokens tokens (contexts and drafts: a model drafter's cache) and a
+        DENSE step's rows fit in a message. A draft may be shorter than its k."""
+        left = self.max_tokens - held
+        if self.payload == pb.DENSE:
+            left = min(left, self.max_dense)
+        if sum(ks) <= left:
+            return ks
+        out = []
+        for k in ks:
+            out.append(max(0, min(k, left)))
+            left -= out[-1]
+        return out
+
     def advance(self, st):
         if st.step != self.step + 1:
             raise ProtocolError(f"step {st.step} out of order (expected {self.step + 1})")
@@ -165,6 +187,7 @@ class _Session:
             if u.k > MAX_DRAFT:
                 raise ProtocolError(f"k = {u.k} exceeds {MAX_DRAFT}")
             ks.append(int(u.k))
+        ks = self._budget(ks, self.held)
         out = pb.Drafts(step=self.step)
         self.last = []
         if any(ks):
@@ -185,6 +208,9 @@ class _Session:
         contexts = [ctx + list(d.tokens) if c else ctx
                     for ctx, d, c in zip(self.contexts, self.last, chains)]
         ks = [self.lookahead + 1 if c else 0 for c in chains]
+        held = self.held + sum(len(d.tokens) for d in self.last)
+        if self._budget(ks, held) != ks:
+            return None  # the step's own drafts took what the limits leave
         drafts = self.drafter.propose(contexts, ks, self.sampling)
         out = pb.Drafts(step=self.step, ahead=True)
         for d, last, c in zip(drafts, self.last, chains):
@@ -220,11 +246,12 @@ class DrafterService(pb_grpc.DrafterServicer):
     """The gRPC service; ``make_drafter()`` gives a fresh drafter per session."""
 
     def __init__(self, make_drafter, auth_token: str | None = None, idle: float = 600.0,
-                 max_tokens: int = MAX_TOKENS):
+                 max_tokens: int = MAX_TOKENS, max_message: int = MAX_MESSAGE):
         self.make_drafter = make_drafter
         self.auth_token = auth_token
         self.idle = idle  # seconds a session may stay silent (or unread) before it is closed
         self.max_tokens = max_tokens
+        self.max_message = max_message
         self.name = getattr(make_drafter(), "name", "drafter")
 
     def Session(self, request_iterator, context):  # noqa: N802 - gRPC's name
@@ -279,7 +306,7 @@ class DrafterService(pb_grpc.DrafterServicer):
                             msg.hello.auth_token.encode(), self.auth_token.encode()):
                         raise ProtocolError("authentication failed")
                     drafter = self.make_drafter()
-                    session = _Session(msg.hello, drafter, self.max_tokens)
+                    session = _Session(msg.hello, drafter, self.max_tokens, self.max_message)
                     yield reply(pb.FromDrafter(welcome=pb.Welcome(
                         version=VERSION, drafter=getattr(drafter, "name", "drafter"),
                         deterministic=bool(drafter.deterministic))))
@@ -315,7 +342,9 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
     ``max_message`` bytes ends its stream (RESOURCE_EXHAUSTED); a session
     silent for ``idle`` seconds, or whose client leaves a reply unread as long,
     is closed (each holds one of ``workers``); one whose contexts would hold
-    more than ``max_tokens`` tokens in all is refused with an Error."""
+    more than ``max_tokens`` tokens in all is refused with an Error (the client
+    drafts locally), and a step's drafts are cut to what that limit leaves
+    (and, with the DENSE payload, to what fits in one message)."""
     import grpc
 
     if auth_token is not None and not auth_token:
@@ -328,7 +357,7 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
         ("grpc.max_send_message_length", max_message),
         ("grpc.so_reuseport", 0)])  # a port in use is an error, not a second server
     pb_grpc.add_DrafterServicer_to_server(
-        DrafterService(make_drafter, auth_token, idle, max_tokens), server)
+        DrafterService(make_drafter, auth_token, idle, max_tokens, max_message), server)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if tls is not None:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])
