@@ -65,7 +65,8 @@ class DelayProxy:
                 continue
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._conns.append(s)
+            with self._count:
+                self._conns += [client, server]
             pumps = [2]  # directions still open: the sockets close with the last
 
             def ended(pair=(client, server), pumps=pumps):
