@@ -17,6 +17,7 @@ from specfast import _bench_cli as bench
 
 
 def pytest_configure(config):
+    bench.keep_freed_memory()  # as specfast bench does for the torch peer
     config.addinivalue_line("markers", "quick: the one-minute subset of the benchmark grid")
     config.addinivalue_line("markers", "bars: the five cases that the README's bars are on")
 

@@ -31,6 +31,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     specfast.set_num_threads(args.threads)
+    bc.keep_freed_memory()  # as specfast bench: torch's temporaries are not page-faulted anew
 
     inp = bc.make_inputs(bc.Case(args.batch, args.draft_len, args.vocab, "float32",
                                  "rejection", "dense", "none"))

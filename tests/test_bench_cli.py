@@ -8,6 +8,8 @@
 
 import argparse
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -51,11 +53,12 @@ def test_bench_command_tiny_grid(tmp_path, capsys):
         "--dtype", "float32", "bfloat16", "--method", "rejection", "coupled",
         "--draft-probs", "none", "dense", "sparse", "--filters", "none", "topk50-topp0.9",
         "--repeats", "1", "--min-time", "0", "--no-progress", "--impl", *IMPLS,
-        "--json", str(out_json),
+        "--json", str(out_json), "--system-malloc",  # this process's malloc stays as it is
     ])
     assert rc == 0
     text = capsys.readouterr().out
     assert "x floor" in text and "B3-K2-V1000-bfloat16-coupled-topk50-topp0.9" in text
+    assert "malloc as the system has it" in text
     data = json.loads(out_json.read_text())
     rows = data["rows"]
     assert len(rows) == 2 * 2 * 4 * 2  # batches x dtypes x (3 kinds + coupled) x filters
@@ -65,6 +68,25 @@ def test_bench_command_tiny_grid(tmp_path, capsys):
             assert r[f"time_{impl}"] > 0 and r[f"bytes_{impl}"] > 0
         assert 0 <= r["mean_accepted"] <= 2
     assert data["machine"]["cores"] >= 1
+    assert data["machine"]["malloc_keeps_freed_memory"] is False
+
+
+def test_the_torch_peer_keeps_freed_memory():
+    """keep_freed_memory (the bench's default) serves a freed large block again without
+    new page faults; with the system's malloc each one is mapped and faulted afresh,
+    which made the torch peer 2x to 2.9x slower on the bar cases."""
+    code = (
+        "import resource, sys, numpy as np\n"
+        "from specfast._bench_cli import keep_freed_memory\n"
+        "if sys.argv[1] == 'keep': assert keep_freed_memory()\n"
+        "np.ones(1 << 24)\n"  # 128 MB, freed at once
+        "f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(3): np.ones(1 << 24)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n")
+    faults = {how: int(subprocess.run([sys.executable, "-c", code, how], capture_output=True,
+                                      text=True, check=True).stdout)
+              for how in ("keep", "system")}
+    assert faults["keep"] < min(1000, faults["system"]), faults
 
 
 @pytest.mark.parametrize("option, said", [

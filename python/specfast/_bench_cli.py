@@ -9,7 +9,8 @@ timed side by side in one run, interleaving the implementations, and reported as
   int16 view: the same bytes, read by numpy's vectorised loop; numpy's bfloat16 max is a
   scalar loop and would flatter specfast);
 - ``torch``: :mod:`specfast._torch_reference`, the torch code serving stacks use (softmax
-  of every row, sort for top-k/top-p, gathers, multinomial).
+  of every row, sort for top-k/top-p, gathers, multinomial), with glibc's malloc told to
+  keep freed memory (:func:`keep_freed_memory`), as a tuned torch deployment's allocator does.
 
 The inputs are synthetic but shaped like a model's (see :func:`make_inputs`): draft tokens
 are sampled from the drafter's distribution, so the accepted length is realistic and
@@ -361,6 +362,23 @@ def bytes_read(impl: str, inp: Inputs, num_accepted) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+def keep_freed_memory() -> bool:
+    """Tells glibc's malloc to serve large blocks from its heap and keep what is freed
+    (no mmap per block, no trim), as the allocators that torch's CPU tuning guides
+    recommend (jemalloc, tcmalloc) do. Otherwise each torch temporary over 32 MiB is
+    mapped afresh and page-faulted on every call: the allocator's cost, not the
+    algorithm's (it made the torch peer 2-2.7x slower on the bar cases). specfast and
+    numpy.max allocate nothing large per call. False where malloc is not glibc's."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
 def measure(calls: dict, repeats: int = 7, min_time: float = 0.05) -> dict:
     """Median seconds per call of each callable, interleaved: round r times every
     implementation once (each sample a loop of n calls lasting >= min_time)."""
@@ -593,6 +611,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-gb", type=number(0, strict=True), default=MAX_GB,
       help="skip cases with larger inputs")
     a("--seed", type=count(0), default=0, help="of the synthetic inputs")
+    a("--system-malloc", action="store_true",
+      help="leave glibc's malloc as it is: torch's large temporaries are then mapped and "
+           "page-faulted on every call")
     a("--json", metavar="PATH", help="save the table (and the machine) as JSON")
     a("--plot", metavar="PATH", help="save a PNG of time against batch size")
     a("--no-progress", action="store_true", help="no progress bar")
@@ -649,6 +670,7 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+    kept = not args.system_malloc and keep_freed_memory()
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.access(folder, os.W_OK):  # said before the timings, not after
@@ -672,12 +694,13 @@ def run(args) -> int:
             bar.update()
     if bar is not None:
         bar.close()
-    info = machine()
+    info = dict(machine(), malloc_keeps_freed_memory=kept)
     print(f"# {info['cpu']}, {info['cores']} cores; specfast {info['specfast']} "
           f"({info['simd']}, {info['specfast_threads']} threads), numpy {info['numpy']}"
           + (f", torch {info['torch']} ({info['torch_threads']} threads)" if "torch" in info
              else "")
-          + (f"; load average {info['load_average'][0]}" if "load_average" in info else ""))
+          + (f"; load average {info['load_average'][0]}" if "load_average" in info else "")
+          + ("; malloc keeps freed memory" if kept else "; malloc as the system has it"))
     print(f"# medians of {args.repeats}, interleaved; x floor = specfast / numpy.max (1 thread), "
           f"x all-core = specfast / numpy.max split over {info['specfast_threads']} threads, "
           "vs torch = torch / specfast; accepted = mean accepted drafts (specfast); "
