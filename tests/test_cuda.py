@@ -449,6 +449,74 @@ def test_bfloat16_draft_probs_are_rescaled_as_on_cpu(kind, rng):
     assert_same(cpu, gpu, kind)
 
 
+def test_arguments_the_cpu_takes_are_taken_alike(rng):
+    """Host arrays numpy holds in other layouts (reversed views, another byte order,
+    long double), a tuple of dense q rows, a one-value negated view and ml_dtypes
+    bfloat16 parameters give the CPU's tokens (they raised torch's own errors, were
+    read as a sparse pair, as -x, or refused)."""
+    args, kw = batch_case(rng, 40, "float32", "dense", False, 2, max_draft=3)
+    logits, tokens, nd = args
+    q = kw["draft_probs"][1]
+    base = dict(temperature=np.float32(0.8), seed=5)
+
+    def both(**over):
+        a = {**base, "draft_probs": q, **over}
+        cpu = sf.verify(logits, a.pop("tokens", tokens), a.pop("nd", nd), **a)
+        a = {**base, "draft_probs": q, **over}
+        gpu = _cuda.verify(to_torch(logits), a.pop("tokens", tokens), a.pop("nd", nd),
+                           check=True, **a)
+        assert_same(cpu, gpu, str(sorted(over)))
+
+    both(tokens=tokens[::-1].copy()[::-1], nd=nd[::-1].copy()[::-1])  # negative strides
+    both(tokens=tokens.astype(">i4"), nd=nd.astype(">i8"), draft_probs=q.astype(">f4"))
+    both(draft_probs=q.astype(np.longdouble), temperature=np.longdouble(0.8))
+    both(draft_probs=tuple(q))
+    both(temperature=negated(torch.tensor([0.8])))
+    if BF16 is not None:
+        both(temperature=np.array([0.5, 2.0], BF16))
+
+
+def test_check_reads_device_integers_as_the_cpu_does(rng):
+    """With check=True, device integers that narrowing to int32 would wrap, and
+    negative device seeds, raise what the CPU raises (they gave the wrapped value's
+    tokens); without it they are taken unread. Bool tensors are not integers."""
+    args, kw = batch_case(rng, 40, "float32", "none", False, 2, max_draft=3)
+    logits, tokens, nd = args
+    wide = to_torch(tokens.astype(np.int64))
+    wide[0] = 2**32 + int(tokens[0])
+    with pytest.raises(ValueError, match="draft_tokens has values outside the int32 range"):
+        sf.verify(logits, wide.cpu().numpy(), nd)
+    with pytest.raises(ValueError, match="draft_tokens has values outside the int32 range"):
+        _cuda.verify(to_torch(logits), wide, nd, check=True)
+    assert_same(sf.verify(logits, tokens, nd), _cuda.verify(to_torch(logits), wide, nd,
+                                                            check=False), "wrapped")
+    seed = to_torch(np.array([-1, 3]))
+    for call in (lambda: sf.verify(logits, tokens, nd, seed=seed.cpu().numpy()),
+                 lambda: _cuda.verify(to_torch(logits), to_torch(tokens), nd, seed=seed,
+                                      check=True)):
+        with pytest.raises(ValueError, match="seed must be non-negative"):
+            call()
+    top_k = to_torch(np.array([2**32 + 2, 0]))
+    with pytest.raises(ValueError, match="top_k"):
+        _cuda.verify(to_torch(logits), to_torch(tokens), nd, top_k=top_k, check=True)
+    for name in ("draft_tokens", "parents"):
+        flags = to_torch(np.zeros(len(tokens), bool))
+        a = {"draft_tokens": to_torch(tokens), "parents": None, name: flags}
+        with pytest.raises(TypeError, match=f"{name} must hold integers, got dtype torch.bool"):
+            _cuda.verify(to_torch(logits), a["draft_tokens"], nd, parents=a["parents"])
+
+
+def test_unknown_out_keys_are_refused():
+    """A misspelt out key was ignored: a graph replay would read a buffer nothing writes."""
+    x = to_torch(np.zeros((2, 8), np.float32))
+    with pytest.raises(ValueError, match=r"out: unknown keys \['token'\]"):
+        _cuda.sample(x, out={"token": torch.zeros(2, dtype=torch.int32, device=DEV)})
+    with pytest.raises(ValueError, match=r"unknown keys \['tokens'\]"):
+        _cuda.probs(x, out={"tokens": torch.zeros(2, dtype=torch.int32, device=DEV)})
+    with pytest.raises(TypeError, match="out must be a dict"):
+        _cuda.verify(x, to_torch(np.array([1], np.int32)), [1], out=[x])
+
+
 def test_sparse_tensors_are_refused_by_layout_as_on_cpu():
     """Sparse logits, tokens or q: the CPU's TypeError naming the layout."""
     x, tokens, q = torch.zeros(2, 8), torch.tensor([1], dtype=torch.int32), torch.full((1, 8), 0.125)

@@ -63,6 +63,7 @@ class FakeKernels:
 def kernels(monkeypatch):
     fake = FakeKernels()
     monkeypatch.setattr(_cuda, "lib", lambda: fake)
+    monkeypatch.setattr(_cuda, "_require_cuda", lambda x, name: None)  # CPU logits stand in
     monkeypatch.setattr(_cuda, "_stream", lambda dev: _cuda.ffi.NULL)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     return fake
@@ -189,6 +190,26 @@ def test_launch_failure_is_a_runtime_error(kernels):
     kernels.launch = 2
     with pytest.raises(ValueError, match="specfast.sample"):
         _cuda.sample(torch.zeros(2, 50))
+
+
+def test_logits_off_the_device_are_refused_by_name():
+    """specfast.cuda's entry points take CUDA logits; CPU tensors and numpy arrays
+    failed deep in torch (or with an AttributeError), and an empty batch returned
+    CPU tensors."""
+    for fn, name in ((_cuda.sample, "logits"), (_cuda.probs, "logits")):
+        for x in (torch.zeros(2, 5), np.zeros((2, 5), np.float32), torch.zeros(0, 5)):
+            with pytest.raises(TypeError, match=f"^{name} must be a CUDA tensor"):
+                fn(x)
+    with pytest.raises(TypeError, match="^target_logits must be a CUDA tensor, got Tensor on cpu"):
+        _cuda.verify(torch.zeros(3, 5), torch.tensor([1, 2]), [2])
+
+
+def test_specfast_cuda_is_an_attribute_of_specfast():
+    """The README's specfast.cuda.verify works after a bare `import specfast`."""
+    code = "import specfast; print(specfast.cuda.verify.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "specfast._cuda", out.stderr
 
 
 def test_the_public_module_is_the_backend_and_loads_nothing():

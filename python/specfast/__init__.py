@@ -30,11 +30,13 @@ _LAZY = {
 
 
 def __getattr__(name):
+    import importlib
+
+    if name == "cuda":  # the module; its library loads with the first CUDA tensor
+        return importlib.import_module(".cuda", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'specfast' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f".{module}", __name__), name)
 
 _lib()  # fail at import, not at the first call, when the library is missing

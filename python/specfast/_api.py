@@ -37,7 +37,8 @@ class SparseProbs:
     __slots__ = ("_indices", "_values", "_torch")
 
     def __init__(self, indices, values):
-        if _is_torch(indices) and indices.is_cuda:  # kept on the device for the CUDA backend
+        if any(_is_torch(a) and a.is_cuda for a in (indices, values)):
+            # kept as given for the CUDA backend, which checks and moves them
             self._torch, self._indices, self._values = True, indices, values
             return
         self._torch = _is_torch(indices) or _is_torch(values)
@@ -641,6 +642,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     if draft_probs is None:
         d.kind = 0
     elif isinstance(draft_probs, SparseProbs):
+        if not isinstance(draft_probs.indices, np.ndarray):
+            raise TypeError("draft_probs: a SparseProbs of CUDA tensors needs CUDA logits")
         if draft_probs.indices.shape[0] != n:
             raise ValueError(
                 f"draft_probs has {draft_probs.indices.shape[0]} rows, draft_tokens has {n}"

@@ -16,9 +16,10 @@ calls can be captured in a CUDA graph, provided that
   tokens -1 (a row of ``probs``: NaN), and its status code is in
   ``out["status"]`` when ``out`` is given.
   ``check=True`` (or ``SPECFAST_CUDA_CHECK=1``) synchronises and raises the
-  exception the CPU backend would raise. Values in device tensors are not read on
-  the host: a seed tensor of negative values is used as its 64 bits (the CPU
-  raises), and an int64 tensor narrowed to int32 (draft tokens, parents) wraps.
+  exception the CPU backend would raise. Without it, values in device tensors are
+  not read on the host: a seed tensor of negative values is used as its 64 bits
+  (the CPU raises), and an int64 tensor narrowed to int32 (draft tokens, parents,
+  top_k) wraps; with it, both raise as on the CPU.
 
 Outputs are allocated with torch (its caching allocator is graph-safe), or taken
 from ``out``, a dict of preallocated tensors: ``tokens``, ``num_accepted``,
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import cffi
 import numpy as np
@@ -81,8 +83,10 @@ def lib():
 
 
 def is_cuda(x) -> bool:
-    """Whether ``x`` is a torch tensor on a CUDA device (never imports torch)."""
-    return type(x).__module__.split(".", 1)[0] == "torch" and getattr(x, "is_cuda", False)
+    """Whether ``x`` is a torch tensor (or a subclass of one) on a CUDA device; never
+    imports torch: a tensor means torch is imported."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
 
 
 def _ptr(t):
@@ -93,22 +97,27 @@ def _check_fits(lo, hi, dtype, name):
     """Narrowing to dtype would wrap a value outside [lo, hi]: an error, as on the CPU."""
     bits = 8 * dtype.itemsize - 1
     if lo < -(1 << bits) or hi >= 1 << bits:
-        raise ValueError(f"{name} has values outside the {dtype} range")
+        raise ValueError(f"{name} has values outside the {str(dtype).split('.')[-1]} range")
 
 
-def _on_device(x, dtype, dev, name, ndim=None):
-    """``x`` as a contiguous CUDA tensor of ``dtype`` on ``dev`` (a no-op when it is one)."""
+def _on_device(x, dtype, dev, name, ndim=None, check=False):
+    """``x`` as a contiguous CUDA tensor of ``dtype`` on ``dev`` (a no-op when it is one).
+    Host values are checked as the CPU checks them; a device tensor's values are read
+    (a synchronisation) only with ``check``, else narrowing to ``dtype`` wraps them."""
     torch = _torch()
     ints = dtype in (torch.int32, torch.int64)
     if isinstance(x, torch.Tensor):
         _strided(x, name)
-    if isinstance(x, torch.Tensor) and ints and not x.is_cuda and not x.is_floating_point():
-        x = x.detach().numpy()  # host integers: checked below as numpy's (torch has no
-        # min of its unsigned types); a device tensor is taken unread, no sync
+        if ints and (x.dtype == torch.bool or x.is_complex()
+                     or (x.is_floating_point() and x.numel())):
+            raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+    if isinstance(x, torch.Tensor) and ints and not is_cuda(x) and not x.is_floating_point():
+        x = x.detach().resolve_neg().numpy()  # host integers: checked below as numpy's
+        # (torch has no min of its unsigned types); a device tensor is taken unread
     if isinstance(x, torch.Tensor):
-        t = x.detach()
-        if ints and t.is_floating_point() and t.numel():
-            raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+        t = x.detach().resolve_neg()  # a negated view's memory holds -x
+        if check and ints and is_cuda(t) and t.numel() and t.element_size() > dtype.itemsize:
+            _check_fits(int(t.min()), int(t.max()), dtype, name)  # synchronises
         t = t.to(device=dev, dtype=dtype)
     else:
         a = _as_array(x, name)
@@ -117,15 +126,24 @@ def _on_device(x, dtype, dev, name, ndim=None):
                 raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
         if ints and a.dtype.kind in "iu" and a.dtype.itemsize >= dtype.itemsize and a.size:
             _check_fits(int(a.min()), int(a.max()), dtype, name)
-        if a.dtype.name == "bfloat16":
-            a = a.astype(np.float32)
-        t = torch.as_tensor(a).to(device=dev, dtype=dtype)
+        # native order, no negative strides, no long double: what torch takes
+        host = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+        t = torch.from_numpy(np.ascontiguousarray(a, host[dtype])).to(device=dev)
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     return t.contiguous()
 
 
+def _require_cuda(x, name):
+    """The entry points here run on the logits' device: CPU data goes to specfast's own."""
+    if not is_cuda(x):
+        raise TypeError(f"{name} must be a CUDA tensor, got {type(x).__name__}"
+                        + (f" on {x.device}" if hasattr(x, "device") else "")
+                        + " (specfast.verify, sample and probs take CPU arrays)")
+
+
 def _c_logits(x, name, keep):
+    _require_cuda(x, name)
     _strided(x, name)
     torch = _torch()
     codes = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -156,7 +174,7 @@ def _dtype_kind(value, name):
                 "b" if d == torch.bool else "i" if d.is_signed else "u")
         return tuple(value.shape), d, kind
     a = _as_array(value, name)
-    return a.shape, a.dtype, a.dtype.kind
+    return a.shape, a.dtype, "f" if a.dtype.name == "bfloat16" else a.dtype.kind  # ml_dtypes
 
 
 def _probs(value, dev, name):
@@ -175,7 +193,7 @@ def _probs(value, dev, name):
     return t
 
 
-def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
+def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, check):
     """An sf_cuda_params: Python scalars by value, arrays as device tensors, refused
     where the CPU backend refuses them (the same scalar rules, shapes and dtypes)."""
     torch = _torch()
@@ -208,7 +226,7 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
                              f"({batch}), got shape {shape}")
         if kind not in "iuf":
             raise TypeError(f"{name} must be numeric, got dtype {dt}")
-        if name == "seed" and isinstance(value, torch.Tensor) and not value.is_cuda:
+        if name == "seed" and isinstance(value, torch.Tensor) and not is_cuda(value):
             value = value.detach().numpy()  # host seeds: checked and taken as numpy's
         if name == "seed" and not isinstance(value, torch.Tensor):
             a = _as_array(value, "seed")
@@ -217,7 +235,10 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position):
             if a.dtype.kind == "i" and a.size and a.min() < 0:
                 raise ValueError("seed must be non-negative")
             value = a.astype(np.uint64).view(np.int64)  # the same 64 bits
-        t = _on_device(value, dtype, dev, name).reshape(-1)
+        if (check and name == "seed" and isinstance(value, torch.Tensor) and value.numel()
+                and value.dtype.is_signed and int(value.min()) < 0):  # synchronises
+            raise ValueError("seed must be non-negative")
+        t = _on_device(value, dtype, dev, name, check=check).reshape(-1)
         if t.numel() not in (1, batch):
             raise ValueError(
                 f"{name} must be a scalar or have one value per request ({batch}), "
@@ -246,6 +267,18 @@ def _out(out, name, shape, dtype, dev):
     if not t.is_contiguous() or t.is_neg():
         raise ValueError(f"out[{name!r}] must be contiguous (and not a negated view)")
     return t
+
+
+def _out_dict(out, names):
+    """``out`` as a dict; a key that names no output would be ignored, and a graph
+    replay would then read a buffer nothing writes: refused."""
+    if out is not None and not isinstance(out, dict):
+        raise TypeError(f"out must be a dict of tensors, got {type(out).__name__}")
+    out = dict(out or {})
+    unknown = sorted(set(out) - set(names))
+    if unknown:
+        raise ValueError(f"out: unknown keys {unknown}; the outputs are {list(names)}")
+    return out
 
 
 def _workspace(out, need, dev):
@@ -324,8 +357,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
            method="rejection", max_draft=None, check=None, out=None):
     """:func:`specfast.verify` on a CUDA tensor: same arguments, same tokens.
 
-    ``draft_probs`` may also be a pair ``(ids, values)`` of CUDA tensors for sparse
-    drafts (a :class:`specfast.SparseProbs` holds numpy arrays, copied here).
+    ``draft_probs`` may also be a pair ``(ids, values)`` whose ids are an integer
+    tensor, for sparse drafts (as a :class:`specfast.SparseProbs` of CUDA tensors).
     ``max_draft``: the width of the outputs minus one, needed without a
     synchronisation when ``num_draft`` is a CUDA tensor. Returns a
     :class:`specfast.VerifyResult` of CUDA tensors.
@@ -334,21 +367,26 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
 
     torch = _torch()
     m = _method(method)
-    dev = target_logits.device
+    check = _want_check(check)
     keep = []
     cl, logits = _c_logits(target_logits, "target_logits", keep)
+    dev = logits.device
     vocab = logits.shape[1]
-    tokens = _on_device(draft_tokens, torch.int32, dev, "draft_tokens", 1)
+    tokens = _on_device(draft_tokens, torch.int32, dev, "draft_tokens", 1, check)
     if is_cuda(num_draft):
-        nd = _on_device(num_draft, torch.int32, dev, "num_draft", 1)
+        nd = _on_device(num_draft, torch.int32, dev, "num_draft", 1, check)
         if max_draft is None:
             max_draft = int(nd.max()) if nd.numel() else 0  # synchronises
     else:
-        nd_host = np.asarray(num_draft.cpu() if hasattr(num_draft, "cpu") else num_draft)
+        nd_host = num_draft
+        if isinstance(nd_host, torch.Tensor):
+            _strided(nd_host, "num_draft")
+            nd_host = nd_host.detach().resolve_neg().cpu().numpy()
+        nd_host = _as_array(nd_host, "num_draft")
+        if nd_host.dtype.kind not in "iu" and (nd_host.size or nd_host.dtype.kind != "f"):
+            raise TypeError(f"num_draft must hold integers, got dtype {nd_host.dtype}")
         if nd_host.ndim != 1:
             raise ValueError(f"num_draft must be 1-D, got shape {nd_host.shape}")
-        if nd_host.dtype.kind not in "iu" and nd_host.size:
-            raise TypeError(f"num_draft must hold integers, got dtype {nd_host.dtype}")
         if nd_host.size and nd_host.min() < 0:
             raise ValueError("num_draft must be >= 0")
         if int(nd_host.sum()) != tokens.shape[0]:
@@ -376,17 +414,20 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     d = ffi.new("sf_draft *")
     d.tokens, d.n, d.num_draft, d.batch = _ptr(tokens), n, _ptr(nd), batch
     if parents is not None:
-        par = _on_device(parents, torch.int32, dev, "parents", 1)
+        par = _on_device(parents, torch.int32, dev, "parents", 1, check)
         if par.shape[0] != n:
             raise ValueError(f"parents has {par.shape[0]} entries, draft_tokens has {n}")
         keep.append(par)
         d.parents = _ptr(par)
     if draft_probs is None:
         d.kind = 0
-    elif isinstance(draft_probs, (SparseProbs, tuple)):
+    elif isinstance(draft_probs, SparseProbs) or (
+            isinstance(draft_probs, tuple) and len(draft_probs) == 2
+            and isinstance(draft_probs[0], torch.Tensor)
+            and not draft_probs[0].is_floating_point()):  # (ids, values); rows are dense
         ids, vals = ((draft_probs.indices, draft_probs.values)
                      if isinstance(draft_probs, SparseProbs) else draft_probs)
-        ids = _on_device(ids, torch.int32, dev, "SparseProbs indices", 2)
+        ids = _on_device(ids, torch.int32, dev, "SparseProbs indices", 2, check)
         vals = _probs(vals, dev, "SparseProbs values")
         if ids.shape != vals.shape or ids.shape[0] != n or ids.shape[1] < 1:
             raise ValueError(
@@ -403,9 +444,9 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         keep.append(q)
         d.kind, d.dense = 1, _ptr(q)
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    params = _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position)
+    params = _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, check)
     _check_host_params("specfast.verify", pvals, batch)
-    out = dict(out or {})
+    out = _out_dict(out, ("tokens", "num_accepted", "accepted_nodes", "status", "workspace"))
     width = max_draft + 1
     o_tok = _out(out, "tokens", (batch, width), torch.int32, dev)
     o_acc = _out(out, "num_accepted", (batch,), torch.int32, dev)
@@ -426,7 +467,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
                                   _ptr(ws) if need else ffi.NULL, need, _stream(dev))
     if st:
         _raise_host(st, "specfast.verify", pvals)
-    if _want_check(check):
+    if check:
         _raise_device(status, "specfast.verify", pvals)
     return VerifyResult(o_tok, o_acc, o_nodes)
 
@@ -436,14 +477,15 @@ def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p
     """sample and probs: ``call(c_logits, params, result, status, stream)`` launches
     the kernel that writes ``out[name]``: one token per row, or the rows' probs."""
     torch = _torch()
-    dev = logits.device
+    check = _want_check(check)
     keep = []
     cl, x = _c_logits(logits, "logits", keep)
+    dev = x.device
     rows = x.shape[0]
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position)
+    params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position, check)
     _check_host_params(what, pvals, rows)
-    out = dict(out or {})
+    out = _out_dict(out, (name, "status"))
     if name == "tokens":
         result = _out(out, name, (rows,), torch.int32, dev)
         ptr = ffi.cast("int32_t *", result.data_ptr())
@@ -457,7 +499,7 @@ def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p
         st = call(cl, params, ptr, ffi.cast("int32_t *", status.data_ptr()), _stream(dev))
     if st:
         _raise_host(st, what, pvals)
-    if _want_check(check):
+    if check:
         _raise_device(status, what, pvals)
     return result
 
