@@ -77,6 +77,10 @@ class DelayProxy:
                     for s in pair:
                         self._conns.remove(s)
                 for s in pair:
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)  # wakes a reader still blocked on it
+                    except OSError:
+                        pass
                     s.close()
 
             self._pipe(client, server, "bytes_up", ended)
