@@ -190,6 +190,20 @@ def test_torch_probs_equal_specfast_probs(name, vocab, rng):
     np.testing.assert_array_equal(got > 0, want > 0)
 
 
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("temperature", [0.7, [0.5, 0.0, 2.0]], ids=["scalar", "per-row"])
+def test_torch_probs_leave_the_logits_as_they_were(dtype, temperature, rng):
+    """The temperature scales a widened copy in place, never the caller's logits."""
+    x = torch.from_numpy((rng.standard_normal((3, 50)) * 2).astype(np.float32))
+    x = x.to(getattr(torch, dtype))
+    before = x.clone()
+    want = sf.probs(x.float().numpy(), temperature=np.array(temperature, np.float32))
+    got = torch_probs(x, temperature=temperature).numpy()
+    assert torch.equal(x, before)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-4)
+
+
 def _fixed_request(kind, rng, vocab=6, k=2):
     """One request: K + 1 logits rows, K fixed drafts, their q as dense float64 rows (for
     the exact outcomes) and as verify takes it (None, dense, or (ids, values))."""

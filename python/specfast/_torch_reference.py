@@ -61,6 +61,9 @@ def torch_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     x = logits.reshape(-1, shape[-1])
     rows, vocab = x.shape
     dev = x.device
+    # Widened to float32 as serving stacks do; a copy made here is scaled in place
+    # (the caller's float32 logits are not).
+    copied = x.dtype != torch.float32
     x = x.float()
     t, t_rows = _per_row(temperature, rows, torch.float32, dev)
     k, k_rows = _per_row(top_k, rows, torch.int64, dev)
@@ -70,13 +73,14 @@ def torch_probs(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     greedy = None
     if t_rows is not None:
         greedy = t_rows == 0
-        x = x / torch.where(greedy, torch.ones_like(t_rows), t_rows)
+        scale = torch.where(greedy, torch.ones_like(t_rows), t_rows)
+        x = x.div_(scale) if copied else x / scale
         if not bool(greedy.any()):
             greedy = None
     elif t == 0:
         greedy = True
     elif t != 1.0:
-        x = x / t
+        x = x.div_(t) if copied else x / t
 
     use_k = k_rows is not None or 0 < k < vocab
     use_p = p_rows is not None or p < 1.0
