@@ -3,8 +3,10 @@
 Peers side by side over the built-in workloads (a copy of ``shared/workloads``):
 
 - ``hf_plain``: transformers ``generate`` (greedy);
-- ``hf_lookup_{3,5,10}``: transformers' own prompt lookup
-  (``prompt_lookup_num_tokens``), and ``hf_lookup_best`` the best of the three;
+- ``hf_lookup_{k}`` / ``hf_lookup_{k}_n{n}``: transformers' own prompt lookup
+  (``prompt_lookup_num_tokens`` k, ``max_matching_ngram_size`` n, 2 by default),
+  over k up to 32 (specfast's n-gram drafts go that far) and n 2 and 4, and
+  ``hf_lookup_best`` the best of them;
 - ``hf_assisted``: transformers assisted generation with ``--assistant`` (optional);
 - ``llama_cpp`` plain and with its prompt-lookup draft model, when
   llama-cpp-python is installed;
@@ -19,7 +21,10 @@ bar (8 prompts in one batch vs 8 single runs). Writes ``results.json``,
 
 Every method runs once per round on every workload, interleaved, for
 ``--rounds`` rounds; a cell is the median of its rounds (all times are kept in
-``results.json``), so load on the machine cannot favour one side.
+``results.json``), so load on the machine cannot favour one side, and a ratio
+is the median of the rounds' own ratios (each from one round, side by side).
+One decoder per method serves every round and workload, as in a server: the
+draft length controller's measured costs carry over.
 
     python bench/e2e/run.py --threads 2 --rounds 3
 """
@@ -91,7 +96,10 @@ def main(argv=None) -> int:
                     help="cap on each workload's max_new_tokens (default: none)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--kinds", nargs="*", default=None, help="workload kinds (default: all)")
-    ap.add_argument("--lookup", type=int, nargs="*", default=[3, 5, 10])
+    ap.add_argument("--lookup", type=int, nargs="*", default=[3, 10, 20, 32],
+                    help="transformers' prompt_lookup_num_tokens values to try")
+    ap.add_argument("--lookup-ngram", type=int, nargs="*", default=[2, 4],
+                    help="and its max_matching_ngram_size values (2 is its default)")
     ap.add_argument("--assistant", default=None, help="assistant model for HF assisted generation")
     ap.add_argument("--draft-model", default=None, help="draft model for sf_model")
     ap.add_argument("--skip-hf", action="store_true")
@@ -137,9 +145,11 @@ def main(argv=None) -> int:
         lt = lcpp.LlamaCppModel(str(target_path), n_threads=threads)
         llama = {
             "target": lt,
+            # n_threads_batch too: llama-cpp-python gives batches every core by default
             "plain": Llama(model_path=str(target_path), n_ctx=4096, n_threads=threads,
-                           verbose=False),
+                           n_threads_batch=threads, verbose=False),
             "lookup": Llama(model_path=str(target_path), n_ctx=4096, n_threads=threads,
+                            n_threads_batch=threads,
                             verbose=False, logits_all=True,  # its draft model needs them
                             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10)),
             "sf_plain": SpeculativeDecoder(lt, None),
@@ -167,8 +177,11 @@ def main(argv=None) -> int:
             methods.append(("hf_plain", lambda ids=ids, n=n: hf_generate(target, ids, n)))
             if w["kind"] == "code":  # prose bars compare against sf_plain only
                 for k in args.lookup:
-                    methods.append((f"hf_lookup_{k}", lambda ids=ids, n=n, k=k: hf_generate(
-                        target, ids, n, prompt_lookup_num_tokens=k)))
+                    for g in args.lookup_ngram:
+                        name = f"hf_lookup_{k}" + ("" if g == 2 else f"_n{g}")
+                        methods.append((name, lambda ids=ids, n=n, k=k, g=g: hf_generate(
+                            target, ids, n, prompt_lookup_num_tokens=k,
+                            max_matching_ngram_size=g)))
             if assistant is not None:
                 methods.append(("hf_assisted", lambda ids=ids, n=n: hf_generate(
                     target, ids, n, assistant_model=assistant)))
@@ -222,11 +235,19 @@ def main(argv=None) -> int:
         if lookups:
             best = max(lookups, key=lambda k: runs[k]["tokens_per_s"])
             r["hf_lookup_best"] = best
-        base = runs["sf_plain"]["tokens_per_s"]
-        r["speedup_vs_sf_plain"] = {k: v["tokens_per_s"] / base for k, v in runs.items()}
+
+        def paired(a, b):
+            """Median over rounds of a's tokens/s over b's in the same round."""
+            ra, rb = runs[a], runs[b]
+            return _median([(ra["n_tokens"] / sa) / (rb["n_tokens"] / sb)
+                            for sa, sb in zip(ra["seconds_all"], rb["seconds_all"])])
+
+        r["speedup_vs_sf_plain"] = {k: paired(k, "sf_plain") for k in runs}
+        if "sf_llama_plain" in runs:
+            r["speedup_vs_sf_llama_plain"] = {k: paired(k, "sf_llama_plain") for k in runs
+                                              if k.startswith(("llama", "sf_llama"))}
         if lookups:
-            r["sf_ngram_vs_hf_lookup_best"] = (runs["sf_ngram"]["tokens_per_s"]
-                                               / runs[r["hf_lookup_best"]]["tokens_per_s"])
+            r["sf_ngram_vs_hf_lookup_best"] = paired("sf_ngram", r["hf_lookup_best"])
         results["workloads"].append(r)
     results["rounds"] = args.rounds
     _save(results, args.out)
@@ -288,6 +309,11 @@ def batch_bar(target, rows, max_new, size=8):
             "per_prompt": same, "memory": dec.memory_report()}
 
 
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
 def _save(results, out):
     save(out, "results", results, table(results))
     try:
@@ -297,15 +323,17 @@ def _save(results, out):
 
 
 def table(results) -> str:
-    names = ["sf_plain", "sf_ngram", "sf_model", "hf_plain", "hf_lookup_3", "hf_lookup_5",
-             "hf_lookup_10", "hf_assisted"]
-    present = [n for n in names if any(n in w["runs"] for w in results["workloads"])]
+    names = ["sf_plain", "sf_ngram", "sf_model", "hf_plain", "hf_lookup_best", "hf_assisted"]
+    present = [n for n in names if any(n in w["runs"] or n in w for w in results["workloads"])]
     lines = ["| workload | kind | tokens | " + " | ".join(present)
              + " | sf_ngram / sf_plain | sf_ngram / hf_lookup_best | acceptance | tok/step | greedy identical |",
              "|" + "---|" * (len(present) + 8)]
     for w in results["workloads"]:
         runs = w["runs"]
-        cells = [f"{runs[n]['tokens_per_s']:.2f}" if n in runs else "" for n in present]
+        best = w.get("hf_lookup_best")
+        cells = [f"{runs[best]['tokens_per_s']:.2f} ({best[len('hf_lookup_'):]})"
+                 if n == "hf_lookup_best" and best else
+                 f"{runs[n]['tokens_per_s']:.2f}" if n in runs else "" for n in present]
         vs_hf = w.get("sf_ngram_vs_hf_lookup_best")
         ident = all(r["identical_to_sf_plain"] for k, r in runs.items()
                     if k.startswith("sf_") and not k.startswith("sf_llama"))
@@ -345,7 +373,7 @@ def _llama_table(results) -> list:
         diffs = ", ".join(f"{n}: {'yes' if runs[n]['identical_to_sf_plain'] else runs[n]['first_diff']}"
                           for n in ("llama_plain", "llama_lookup_10", "sf_llama_ngram"))
         lines.append(f"| {w['name']} | " + " | ".join(f"{runs[n]['tokens_per_s']:.2f}" for n in names)
-                     + f" | {ng['tokens_per_s'] / runs['sf_llama_plain']['tokens_per_s']:.2f}x"
+                     + f" | {w['speedup_vs_sf_llama_plain']['sf_llama_ngram']:.2f}x"
                      + f" | {ng['tokens_per_s'] / runs['llama_lookup_10']['tokens_per_s']:.2f}x"
                      + f" | {diffs} |")
     return lines
@@ -358,14 +386,13 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     ws = results["workloads"]
-    methods = [n for n in ("sf_ngram", "hf_plain", "hf_lookup_3", "hf_lookup_5", "hf_lookup_10",
-                           "sf_model", "hf_assisted")
-               if any(n in w["speedup_vs_sf_plain"] for w in ws)]
+    methods = [n for n in ("sf_ngram", "hf_plain", "hf_lookup_best", "sf_model", "hf_assisted")
+               if any(n in w["speedup_vs_sf_plain"] or n in w for w in ws)]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(ws)), 4))
     width = 0.8 / max(1, len(methods))
     for j, name in enumerate(methods):
         xs = [i + j * width for i in range(len(ws))]
-        ys = [w["speedup_vs_sf_plain"].get(name, 0) for w in ws]
+        ys = [w["speedup_vs_sf_plain"].get(w.get(name, name), 0) for w in ws]
         ax.bar(xs, ys, width, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ws))])
