@@ -110,7 +110,8 @@ def test_bench_command_plot_and_progress(tmp_path, capsys):
     pytest.importorskip("tqdm")
     out_png = tmp_path / "bench.png"
     rc = main(["bench", "--batch", "1", "2", "4", "--draft-len", "1", "3", "--vocab", "500",
-               "--repeats", "1", "--min-time", "0", "--impl", *IMPLS, "--plot", str(out_png)])
+               "--repeats", "1", "--min-time", "0", "--impl", *IMPLS, "--plot", str(out_png),
+               "--system-malloc"])
     assert rc == 0
     assert "B4-K3-V500" in capsys.readouterr().out
     assert out_png.read_bytes()[:4] == b"\x89PNG"

@@ -506,6 +506,26 @@ def test_check_reads_device_integers_as_the_cpu_does(rng):
             _cuda.verify(to_torch(logits), a["draft_tokens"], nd, parents=a["parents"])
 
 
+def test_shapes_and_kinds_of_host_arguments_as_on_cpu():
+    """A 0-d draft_tokens or parents is not 1-D (taking host arrays as numpy made it
+    one long); a seed tensor of floats is not integers, checked or not."""
+    x = np.zeros((2, 8), np.float32)
+    for kw in (dict(draft_tokens=np.array(3)), dict(draft_tokens=3),
+               dict(draft_tokens=[3], parents=np.array(-1))):
+        a = dict(dict(draft_tokens=[3]), **kw)
+        name = "parents" if "parents" in kw else "draft_tokens"
+        for call in (sf.verify, lambda *args, **k: _cuda.verify(*args, check=True, **k)):
+            with pytest.raises(ValueError, match=f"{name} must be 1-D"):
+                call(x if call is sf.verify else to_torch(x), a["draft_tokens"], [1],
+                     parents=a.get("parents"))
+    seed = to_torch(np.array([-1.0, 2.0], np.float32))
+    for check in (True, False):
+        with pytest.raises(TypeError, match="seed must hold integers"):
+            _cuda.sample(to_torch(x), seed=seed, check=check)
+    with pytest.raises(TypeError, match="seed must hold integers"):
+        sf.sample(x, seed=seed.cpu().numpy())
+
+
 def test_unknown_out_keys_are_refused():
     """A misspelt out key was ignored: a graph replay would read a buffer nothing writes."""
     x = to_torch(np.zeros((2, 8), np.float32))

@@ -642,7 +642,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     if draft_probs is None:
         d.kind = 0
     elif isinstance(draft_probs, SparseProbs):
-        if not isinstance(draft_probs.indices, np.ndarray):
+        if not all(isinstance(a, np.ndarray) for a in (draft_probs.indices, draft_probs.values)):
             raise TypeError("draft_probs: a SparseProbs of CUDA tensors needs CUDA logits")
         if draft_probs.indices.shape[0] != n:
             raise ValueError(

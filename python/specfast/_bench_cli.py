@@ -670,7 +670,6 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    kept = not args.system_malloc and keep_freed_memory()
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.access(folder, os.W_OK):  # said before the timings, not after
@@ -685,6 +684,7 @@ def run(args) -> int:
     bar = None
     if tqdm is not None and not args.no_progress:
         bar = tqdm(total=len(cases), unit="case", file=sys.stderr, dynamic_ncols=True)
+    kept = not args.system_malloc and keep_freed_memory()  # said wrong options first
     rows = []
     for case in cases:
         if bar is not None:

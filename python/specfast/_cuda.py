@@ -116,7 +116,8 @@ def _on_device(x, dtype, dev, name, ndim=None, check=False):
         # (torch has no min of its unsigned types); a device tensor is taken unread
     if isinstance(x, torch.Tensor):
         t = x.detach().resolve_neg()  # a negated view's memory holds -x
-        if check and ints and is_cuda(t) and t.numel() and t.element_size() > dtype.itemsize:
+        if (check and ints and is_cuda(t) and t.numel() and t.dtype != dtype
+                and t.element_size() >= dtype.itemsize):
             _check_fits(int(t.min()), int(t.max()), dtype, name)  # synchronises
         t = t.to(device=dev, dtype=dtype)
     else:
@@ -128,7 +129,7 @@ def _on_device(x, dtype, dev, name, ndim=None, check=False):
             _check_fits(int(a.min()), int(a.max()), dtype, name)
         # native order, no negative strides, no long double: what torch takes
         host = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
-        t = torch.from_numpy(np.ascontiguousarray(a, host[dtype])).to(device=dev)
+        t = torch.from_numpy(np.ascontiguousarray(a, host[dtype]).reshape(a.shape)).to(dev)
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     return t.contiguous()
@@ -236,9 +237,11 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, 
                 raise ValueError("seed must be non-negative")
             value = a.astype(np.uint64).view(np.int64)  # the same 64 bits
         if (check and name == "seed" and isinstance(value, torch.Tensor) and value.numel()
-                and value.dtype.is_signed and int(value.min()) < 0):  # synchronises
+                and not value.is_floating_point() and value.dtype.is_signed
+                and int(value.min()) < 0):  # synchronises
             raise ValueError("seed must be non-negative")
-        t = _on_device(value, dtype, dev, name, check=check).reshape(-1)
+        # a seed is taken as its 64 bits (uint64 past 2^63 included), never narrowed
+        t = _on_device(value, dtype, dev, name, check=check and name != "seed").reshape(-1)
         if t.numel() not in (1, batch):
             raise ValueError(
                 f"{name} must be a scalar or have one value per request ({batch}), "

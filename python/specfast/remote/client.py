@@ -226,6 +226,7 @@ class RemoteDrafter(Drafter):
         self._stream = None
         self._next_try = 0.0
         self._failed = 0  # tries failed in a row
+        self._strict = False  # the next try is the generation's first (see _connect)
         self._contexts: list = []
         self._sampling: list = []
         self._new_session()
@@ -249,8 +250,9 @@ class RemoteDrafter(Drafter):
         self._close()
         # A drafter that failed in an earlier generation waits out its backoff:
         # each try at a hung one would cost this generation the whole timeout.
+        self._strict = True
         if time.monotonic() >= self._next_try:
-            self._connect(strict=True)
+            self._connect()
 
     def propose(self, contexts, ks, sampling):
         self._contexts = contexts
@@ -312,10 +314,12 @@ class RemoteDrafter(Drafter):
         self.close()
 
     # -- the session ----------------------------------------------------------
-    def _connect(self, strict=False):
+    def _connect(self):
         """Opens a session with the current contexts; on failure, retry later.
-        ``strict``: a refusal (version, token, payload) raises RemoteError: a
-        configuration error is said at the start, not decoded around."""
+        The generation's first try (at its start, or its first step after a
+        backoff) raises a refusal (version, token, payload) as RemoteError: a
+        configuration error is said, not decoded around."""
+        strict, self._strict = self._strict, False
         stream = None
         try:
             stream = _Stream(self._stub, self.timeout)

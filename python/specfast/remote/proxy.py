@@ -47,9 +47,10 @@ class DelayProxy:
             conns = list(self._conns)
         for s in conns:
             try:
-                s.close()
+                s.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked on it
             except OSError:
                 pass
+            s.close()
 
     def _accept(self):
         while not self._closed.is_set():
@@ -66,6 +67,10 @@ class DelayProxy:
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._count:
+                if self._closed.is_set():  # closed while this one connected
+                    client.close()
+                    server.close()
+                    return
                 self._conns += [client, server]
             pumps = [2]  # directions still open: the sockets close with the last
 

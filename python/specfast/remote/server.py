@@ -117,8 +117,8 @@ class _Session:
         self.payload, self.top_k = hello.payload, hello.top_k
         self.max_tokens = max_tokens
         # A step's dense rows must fit in one message (4 bytes a token of the
-        # vocabulary, 10 for its id and parent, 32 per request of framing).
-        self.max_dense = max(1, (max_message - 32 * MAX_BATCH) // (4 * self.vocab + 10))
+        # vocabulary, up to 15 for its id and parent, 32 per request of framing).
+        self.max_dense = max(1, (max_message - 32 * len(hello.requests)) // (4 * self.vocab + 16))
         self.held = 0  # context tokens held, all requests together
         self.contexts = [self._tokens(r.tokens, "prompt") for r in hello.requests]
         if any(not c for c in self.contexts):
