@@ -63,10 +63,13 @@ def main(argv=None) -> int:
                "threads": torch.get_num_threads(), "cells": []}
     # Warm up torch, a server and a session first: the first cell was the process's
     # first generate (and measured a longer round trip than the rest).
-    server, port = serve(makers["tokens"])
-    with RemoteDrafter(f"127.0.0.1:{port}", vocab_size=target.vocab_size) as d:
-        SpeculativeDecoder(target, d).generate(target.encode(rows[0]["messages"]), 8)
-    server.stop(None).wait()
+    for maker, payload in (("tokens", "tokens"), ("model", "topk")):  # and a draft model
+        server, port = serve(makers[maker])
+        with RemoteDrafter(f"127.0.0.1:{port}", vocab_size=target.vocab_size,
+                           payload=payload, top_k=args.top_k) as d:
+            SpeculativeDecoder(target, d).generate(target.encode(rows[0]["messages"]), 8,
+                                                   **rejection)
+        server.stop(None).wait()
     SpeculativeDecoder(target, None).generate([1, 2, 3], 4)
     for w in rows:
         ids = target.encode(w["messages"])
