@@ -599,6 +599,25 @@ def test_draft_length_measures_a_plain_step():
     assert all(c.choose(0, 100) > 0 for _ in range(16))  # measured: no more detours
 
 
+def test_draft_length_measures_a_plain_step_until_the_fit_trusts_it():
+    """A plain step seen fewer times than the fit requires (3, once a draft width has
+    3) is left out of it, so its cost came from the draft widths' curve: on llama.cpp
+    37 ms for a width that took 11, and drafting looked three times cheaper than it
+    was. The controller now takes plain steps until it has 3."""
+    c = DraftLength(max_k=16)
+    c.start(1)
+    for _ in range(5):
+        c.observe_target(12, 0.057)
+    c.observe_target(1, 0.007)
+    c.observe(0, 11, 11)
+    assert c._forward_costs()[1] > 0.02  # extrapolated: not what was measured
+    ks = [c.choose(0, 100) for _ in range(16)]
+    assert ks.count(0) >= 2
+    c.observe_target(1, 0.007)
+    c.observe_target(1, 0.007)
+    assert abs(c._forward_costs()[1] - 0.007) < 1e-9
+
+
 class _Odd(NgramDrafter):
     """Proposes what it is told to: too few drafts, ids past the vocabulary, or
     numpy tokens."""

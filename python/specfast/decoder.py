@@ -308,7 +308,7 @@ class DraftLength:
         # A width seen fewer than 3 times (once the best-known one has been) is
         # left out, as if unmeasured: one slow step on a loaded machine must not
         # price that width out for good (it would never be chosen, so never re-measured).
-        trust = min(3, max((len(t) for t in self._times.values()), default=0))
+        trust = self._trust()
         pts = sorted((w, stat(t), len(t)) for w, t in self._times.items() if len(t) >= max(1, trust))
         if not pts:
             return 1.0 + self.prior_slope * (grid - 1)  # relative units until measured
@@ -326,6 +326,10 @@ class DraftLength:
         before = grid < ws[0]
         cost[before] = np.maximum(ys[0] - slope * (ws[0] - grid[before]), 1e-9)
         return cost
+
+    def _trust(self) -> int:
+        """Samples a width needs for the cost fit: 3 once the best-known width has 3."""
+        return min(3, max((len(t) for t in self._times.values()), default=0))
 
     def _fit(self):
         if self._costs is None:
@@ -373,9 +377,11 @@ class DraftLength:
             return 0
         if self.fixed is not None:
             return min(self.fixed, cap)
-        if not self._times.get(1) and self._times:
-            # the cost of a plain step is unmeasured: without it a curve through
-            # draft widths alone makes drafting look free, so take one now and then
+        if self._times and len(self._times.get(1, ())) < self._trust():
+            # the cost of a plain step is unmeasured, or measured too few times for
+            # the fit to trust: the curve through draft widths alone then makes
+            # plain steps look dear and drafting cheap (llama.cpp: width 1 was
+            # priced at 37 ms where it took 11), so take one now and then
             self._unmeasured += 1
             if self._unmeasured % 8 == 0:
                 return 0
