@@ -8,6 +8,7 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -71,6 +72,8 @@ def test_bench_command_tiny_grid(tmp_path, capsys):
     assert data["machine"]["malloc_keeps_freed_memory"] is False
 
 
+@pytest.mark.skipif("asan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="under ASan, malloc is ASan's: glibc's settings do not apply")
 def test_the_torch_peer_keeps_freed_memory():
     """keep_freed_memory (the bench's default) serves a freed large block again without
     new page faults; with the system's malloc each one is mapped and faulted afresh,
