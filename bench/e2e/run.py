@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -214,8 +215,7 @@ def main(argv=None) -> int:
         for name, rs in all_runs.items():
             secs = sorted(x["seconds"] for x in rs)
             run = dict(rs[0])
-            run["seconds"] = secs[len(secs) // 2] if len(secs) % 2 else 0.5 * (
-                secs[len(secs) // 2 - 1] + secs[len(secs) // 2])
+            run["seconds"] = statistics.median(secs)
             run["seconds_all"] = [x["seconds"] for x in rs]
             for key in ("acceptance", "tokens_per_step"):  # the table shows round 1's
                 if key in run:
@@ -239,8 +239,8 @@ def main(argv=None) -> int:
         def paired(a, b):
             """Median over rounds of a's tokens/s over b's in the same round."""
             ra, rb = runs[a], runs[b]
-            return _median([(ra["n_tokens"] / sa) / (rb["n_tokens"] / sb)
-                            for sa, sb in zip(ra["seconds_all"], rb["seconds_all"])])
+            return statistics.median([(ra["n_tokens"] / sa) / (rb["n_tokens"] / sb)
+                                      for sa, sb in zip(ra["seconds_all"], rb["seconds_all"])])
 
         r["speedup_vs_sf_plain"] = {k: paired(k, "sf_plain") for k in runs}
         if "sf_llama_plain" in runs:
@@ -307,11 +307,6 @@ def batch_bar(target, rows, max_new, size=8):
             "speedup_vs_singles": t_single / t_batch,
             "all_identical": all(same), "plain_batch_identical": all(same_plain),
             "per_prompt": same, "memory": dec.memory_report()}
-
-
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
 def _save(results, out):

@@ -367,7 +367,7 @@ def keep_freed_memory() -> bool:
     (no mmap per block, no trim), as the allocators that torch's CPU tuning guides
     recommend (jemalloc, tcmalloc) do. Otherwise each torch temporary over 32 MiB is
     mapped afresh and page-faulted on every call: the allocator's cost, not the
-    algorithm's (it made the torch peer 2-2.7x slower on the bar cases). specfast and
+    algorithm's (it made the torch peer 2.0x-2.9x slower on the bar cases). specfast and
     numpy.max allocate nothing large per call. False where malloc is not glibc's."""
     import ctypes
 

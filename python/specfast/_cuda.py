@@ -184,11 +184,10 @@ def _probs(value, dev, name):
     of 1 rescaled to sum to 1 (on the device, no sync)."""
     torch = _torch()
     _, dt, kind = _dtype_kind(value, name)
-    bf16 = dt == torch.bfloat16 or getattr(dt, "name", None) == "bfloat16"
-    if kind != "f" and not bf16:
+    if kind != "f":  # bfloat16 (torch's or ml_dtypes') is "f" too
         raise TypeError(f"{name} must hold floats, got dtype {dt}")
     t = _on_device(value, torch.float32, dev, name, 2)
-    if bf16 and t.numel():
+    if (dt == torch.bfloat16 or getattr(dt, "name", None) == "bfloat16") and t.numel():
         s = t.sum(dim=1, keepdim=True, dtype=torch.float64)
         t = t * torch.where((s - 1.0).abs() <= _BF16_SUM_SLACK, 1.0 / s, 1.0).float()
     return t

@@ -30,7 +30,7 @@ import numpy as np
 from .. import _api
 from ..drafters import Draft, Drafter, NgramDrafter, check_arg
 from . import drafter_pb2 as pb
-from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, VERSION
+from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, VERSION, put_until
 
 _KEEP_ALL = (1 << 32) - 1  # a keep (uint32) that rolls nothing back
 
@@ -93,24 +93,14 @@ class _Stream:
         self.timeout = timeout
         threading.Thread(target=self._read, daemon=True).start()
 
-    def _hand(self, item) -> bool:
-        """Queues item for the reader; False once the stream is closed."""
-        while not self._closed.is_set():
-            try:
-                self._in.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                pass
-        return False
-
     def _read(self):
         try:
             for msg in self._call:
-                if not self._hand(msg):
+                if not put_until(self._in, msg, self._closed):
                     return
         except Exception as e:  # the stream broke: wake the reader up
-            self._hand(e)
-        self._hand(EOFError("the drafter closed the stream"))
+            put_until(self._in, e, self._closed)
+        put_until(self._in, EOFError("the drafter closed the stream"), self._closed)
 
     def send(self, msg):
         self._out.put(msg)

@@ -46,11 +46,7 @@ class DelayProxy:
         with self._count:
             conns = list(self._conns)
         for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked on it
-            except OSError:
-                pass
-            s.close()
+            _hang_up(s)
 
     def _accept(self):
         while not self._closed.is_set():
@@ -82,11 +78,7 @@ class DelayProxy:
                     for s in pair:
                         self._conns.remove(s)
                 for s in pair:
-                    try:
-                        s.shutdown(socket.SHUT_RDWR)  # wakes a reader still blocked on it
-                    except OSError:
-                        pass
-                    s.close()
+                    _hang_up(s)
 
             self._pipe(client, server, "bytes_up", ended)
             self._pipe(server, client, "bytes_down", ended)
@@ -140,3 +132,12 @@ class DelayProxy:
 
         threading.Thread(target=read, daemon=True).start()
         threading.Thread(target=write, daemon=True).start()
+
+
+def _hang_up(s):
+    """Shuts s down (waking a pump blocked on it), then closes it."""
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()

@@ -223,6 +223,18 @@ class _Session:
         return out
 
 
+def put_until(q: queue.Queue, item, stopped: threading.Event) -> bool:
+    """Puts item on the bounded queue q, waiting while it is full, unless stopped
+    is set first (the reader is gone): then False."""
+    while not stopped.is_set():
+        try:
+            q.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            pass
+    return False
+
+
 class _Watchdog:
     """Cancels a call whose reply has waited ``limit`` seconds to be sent: a
     client that stops reading fills the window, and the session's generator
@@ -261,21 +273,13 @@ class DrafterService(pb_grpc.DrafterServicer):
         inbox: queue.Queue = queue.Queue(maxsize=1)
         watchdog = _Watchdog(context, self.idle)
 
-        def hand(m):  # to the session, unless it has ended
-            while not watchdog.done.is_set():
-                try:
-                    inbox.put(m, timeout=0.5)
-                    return
-                except queue.Full:
-                    pass
-
-        def pump():
+        def pump():  # to the session, unless it has ended
             try:
                 for m in request_iterator:
-                    hand(m)
+                    put_until(inbox, m, watchdog.done)
             except Exception:  # the client went away
                 pass
-            hand(None)
+            put_until(inbox, None, watchdog.done)
 
         threading.Thread(target=pump, daemon=True).start()
         session = None
