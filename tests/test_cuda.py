@@ -78,11 +78,11 @@ def to_torch(a):
     return torch.from_numpy(np.ascontiguousarray(a)).to(DEV)
 
 
-def cuda_draft(spec):
+def cuda_draft(spec, place=to_torch):
     if spec is None:
         return None
     if spec[0] == "dense":
-        return to_torch(spec[1])
+        return place(spec[1])
     return (to_torch(spec[1]), to_torch(spec[2]))
 
 
@@ -92,17 +92,19 @@ def batch_case(rng, vocab, dtype, kind, tree, batch, max_draft=5):
     return (to_dtype(logits, dtype), tokens, nd), kw
 
 
-def run_both(args, kw, method):
+def run_both(args, kw, method, place=to_torch):
+    """The CPU's and the CUDA backend's results; `place` puts the logits and a
+    dense q on the device."""
     logits, tokens, nd = args
     cpu = sf.verify(logits, tokens, nd, method=method,
                     **{**kw, "draft_probs": draft_arg(kw["draft_probs"])})
     ckw = dict(kw)
-    ckw["draft_probs"] = cuda_draft(kw["draft_probs"])
+    ckw["draft_probs"] = cuda_draft(kw["draft_probs"], place)
     for key in ("temperature", "top_k", "top_p", "min_p", "seed", "position"):
         ckw[key] = to_torch(np.asarray(ckw[key]))
     if ckw.get("parents") is not None:
         ckw["parents"] = to_torch(ckw["parents"])
-    gpu = _cuda.verify(to_torch(logits), to_torch(tokens), nd, method=method, check=True, **ckw)
+    gpu = _cuda.verify(place(logits), to_torch(tokens), nd, method=method, check=True, **ckw)
     return cpu, gpu
 
 
@@ -657,10 +659,11 @@ def test_bf16_rows_of_every_value(filters, rng):
 
 
 @pytest.mark.parametrize("offset", [1, 3, 4])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_16bit_rows_that_start_off_16_bytes(dtype, offset, rng):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_that_start_off_16_bytes(dtype, offset, rng):
     """Rows whose start is not 16-byte aligned take the unvectorised loads: same
-    draws (a 16-byte load there would be caught by the hardening stage's sanitizers)."""
+    draws and probabilities (a 16-byte load there would be caught by the
+    hardening stage's sanitizers)."""
     x = (rng.standard_normal((9, 2100)) * 2).astype(np.float32)
     x[::2, 0] = 9.0
     x[1, 2099] = 9.0
@@ -672,6 +675,27 @@ def test_16bit_rows_that_start_off_16_bytes(dtype, offset, rng):
         np.testing.assert_array_equal(
             sf.sample(xd, temperature=temperature, seed=1),
             _cuda.sample(rows, temperature=temperature, seed=1, check=True).cpu().numpy())
+    np.testing.assert_array_equal(sf.probs(xd, top_p=0.9),
+                                  _cuda.probs(rows, top_p=0.9, check=True).cpu().numpy())
+
+
+@pytest.mark.parametrize("offset", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_verify_rows_that_start_off_16_bytes(dtype, offset, rng):
+    """Logits and dense q rows at a column offset of a wider buffer (each row's
+    start off 16 bytes, odd row strides) take the unvectorised loads: the same
+    decisions (a 16-byte load there is caught by the hardening stage's
+    sanitizers, as a GPU would fault)."""
+    def place(a):
+        wide = np.zeros((a.shape[0], a.shape[1] + 5), np.float32)
+        wide[:, offset:offset + a.shape[1]] = a.astype(np.float32)
+        return to_torch(to_dtype(wide, a.dtype.name))[:, offset:offset + a.shape[1]]
+
+    for tree in (False, True):
+        for method in METHODS:
+            args, kw = batch_case(rng, 4099, dtype, "dense", tree, batch=6)
+            cpu, gpu = run_both(args, kw, method, place)
+            assert_same(cpu, gpu, f"tree {tree} {method}")
 
 
 @pytest.mark.parametrize("bad", [

@@ -285,11 +285,16 @@ def _set(path, value):
     (lambda c: (_set("params.top_p", _cuda.ffi.cast("float *", 4096))(c),
                 _set("params.n_top_p", 3)(c)), 2),
     (_set("params.top_p_value", 1.5), 3),
+    (_set("logits.data", _cuda.ffi.cast("void *", 4098)), 1),  # float32 at a 2-byte address
+    (lambda c: (_set("params.top_p", _cuda.ffi.cast("float *", 4097))(c),
+                _set("params.n_top_p", 1)(c)), 1),
+    (lambda c: (_set("params.seed", _cuda.ffi.cast("uint64_t *", 4100))(c),
+                _set("params.n_seed", 1)(c)), 1),
     (_set("params.temperature_value", float("nan")), 3),
     (_set("params.top_k_value", -1), 3),
     (_set("params.min_p_value", -0.5), 3),
 ], ids=["no-logits", "dtype", "vocab-0", "vocab-big", "stride", "stride-wraps", "no-params",
-        "params-count",
+        "params-count", "misaligned-logits", "misaligned-top_p", "misaligned-seed",
         "top_p", "temperature", "top_k", "min_p"])
 def test_c_entry_checks_shapes_and_pointers(entry, change, code):
     assert c_call(change, entry) == code
@@ -311,9 +316,13 @@ def test_c_entry_checks_shapes_and_pointers(entry, change, code):
     (lambda c: (_sparse(c), _set("workspace.", _cuda.ffi.NULL)(c)), 1),  # overrides need one
     (lambda c: (_sparse(c), _set("ws_bytes.", 8)(c)), 1),
     (lambda c: (_sparse(c), _set("workspace.", _cuda.ffi.cast("void *", 4104))(c)), 1),
+    (_set("draft.tokens", _cuda.ffi.cast("int32_t *", 4098)), 1),
+    (_set("out.num_accepted", _cuda.ffi.cast("int32_t *", 4097)), 1),
+    (lambda c: (_sparse(c), _set("draft.sparse_probs", _cuda.ffi.cast("float *", 4102))(c)), 1),
 ], ids=["no-draft", "no-out", "max-draft", "no-nodes", "method", "kind", "rows", "batch",
         "no-tokens", "dense-null", "sparse-k", "sparse-null", "no-workspace",
-        "small-workspace", "misaligned-workspace"])
+        "small-workspace", "misaligned-workspace", "misaligned-tokens", "misaligned-out",
+        "misaligned-sparse"])
 def test_c_verify_checks_its_draft(change, code):
     assert c_call(change) == code
 

@@ -619,6 +619,118 @@ def test_long_double_and_big_endian_are_taken():
     assert sf.sample(np.zeros((0, V), np.float32), top_k=np.array([], np.int32)).shape == (0,)
 
 
+def at_odd_address(a):
+    """A copy of `a` whose data starts one byte past an aligned address (numpy
+    makes such arrays of a buffer at an odd offset)."""
+    a = np.asarray(a)
+    u = np.frombuffer(bytearray(a.nbytes + 1), a.dtype, a.size, offset=1).reshape(a.shape)
+    u[...] = a
+    assert not u.flags.aligned
+    return u
+
+
+def test_arrays_at_odd_addresses_are_taken():
+    """Arrays whose data is not aligned to their type are copied before the C
+    core (which refuses them) reads them, every input of every call."""
+    odd = at_odd_address
+    kw, ids, vals = base_sparse()
+    ref = sf.verify(**kw, seed=3)
+    for name in kw:
+        got = sf.verify(**dict(kw, **{name: odd(kw[name])}), seed=3)
+        np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=name)
+    x16 = kw["target_logits"].astype(np.float16)
+    np.testing.assert_array_equal(sf.verify(**dict(kw, target_logits=odd(x16)), seed=3).tokens,
+                                  sf.verify(**dict(kw, target_logits=x16), seed=3).tokens)
+    strided = np.zeros((6, V + 1), np.float32)  # rows read in place, at a stride
+    strided[:, :V] = kw["target_logits"]
+    got = sf.verify(**dict(kw, target_logits=odd(strided)[:, :V]), seed=3)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    sparse = dict(kw, draft_probs=sf.SparseProbs(ids, vals))
+    np.testing.assert_array_equal(
+        sf.verify(**dict(sparse, draft_probs=sf.SparseProbs(odd(ids), odd(vals))), seed=3).tokens,
+        sf.verify(**sparse, seed=3).tokens)
+    parents = np.array([-1, -1, -1], np.int32)
+    np.testing.assert_array_equal(sf.verify(**kw, parents=odd(parents), seed=3).tokens,
+                                  sf.verify(**kw, parents=parents, seed=3).tokens)
+    params = dict(temperature=np.float32([0.5, 0.7, 0.9]), top_k=np.int32([0, 3, 5]),
+                  top_p=np.float32([1, 0.8, 0.9]), min_p=np.float32([0, 0.1, 0]),
+                  seed=np.uint64([1, 2, 3]), position=np.int64([4, 5, 6]))
+    ref = sf.verify(**kw, **params)
+    for name, v in params.items():
+        got = sf.verify(**kw, **dict(params, **{name: odd(v)}))
+        np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=name)
+    x = base_rows()
+    np.testing.assert_array_equal(sf.sample(odd(x), seed=odd(np.uint64([1, 2, 3, 4]))),
+                                  sf.sample(x, seed=np.uint64([1, 2, 3, 4])))
+    np.testing.assert_array_equal(sf.probs(odd(x), top_k=odd(np.int32([1, 2, 3, 4]))),
+                                  sf.probs(x, top_k=np.int32([1, 2, 3, 4])))
+    tree = np.array([-1, 0, 0, -1], np.int32), np.array([3, 1], np.int32)
+    for got, want in zip(sf.tree_mask(*map(odd, tree), packed=True), sf.tree_mask(*tree, packed=True)):
+        np.testing.assert_array_equal(got, want)
+    cache = np.arange(2 * 6 * 4, dtype=np.float32).reshape(2, 6, 4)
+    paths = np.array([[0, 1], [-1, -1]], np.int32), np.array([2, 0], np.int32), np.int64([1, 0])
+    want = cache.copy()
+    sf.kv_compact(want, *paths, seq_axis=1)
+    got = odd(cache)
+    sf.kv_compact(got, *map(odd, paths), seq_axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_c_entries_refuse_misaligned_pointers():
+    """C callers get SF_ERR_ARGUMENT for a pointer not aligned to its type
+    (reading through one is undefined in C; on a GPU it faults)."""
+    from specfast._lib import ffi, lib
+
+    L = lib()
+    logits = np.zeros((3, 8), np.float32)
+    buf = ffi.from_buffer(logits)
+    mem = ffi.new("char[]", 64)
+    vals = dict(temperature=("float", 0.8), top_k=("int32_t", 0), top_p=("float", 1.0),
+                min_p=("float", 0.0), seed=("uint64_t", 1), position=("int64_t", 0))
+
+    def params(odd=None):
+        ptrs = []
+        for i, (name, (t, v)) in enumerate(vals.items()):
+            p = ffi.cast(t + " *", mem + 8 * i + (1 if name == odd else 0))
+            p[0] = v
+            ptrs += [p, 1]
+        return ffi.new("sf_params *", ptrs)
+
+    toks, nd = ffi.new("int32_t[]", [7, 6]), ffi.new("int32_t[]", [2])
+    out_tok, out_acc, out_nodes = (ffi.new("int32_t[]", 4) for _ in range(3))
+    err = ffi.new("sf_error *")
+
+    def shift(p, odd):
+        t = ffi.getctype(ffi.typeof(p).item, "*")
+        return ffi.cast(t, ffi.cast("char *", p) + 2) if odd else p
+
+    def verify(odd="", par=None):
+        d = ffi.new("sf_draft *")
+        d.tokens, d.n, d.num_draft, d.batch = shift(toks, odd == "tokens"), 2, \
+            shift(nd, odd == "num_draft"), 1
+        d.parents = ffi.NULL if par is None else par
+        out = ffi.new("sf_verify_out *", (shift(out_tok, odd == "out"), out_acc, out_nodes, 2))
+        data = ffi.cast("char *", buf) + (2 if odd == "logits" else 0)
+        lg = ffi.new("sf_logits *", (data, 0, 3, 8, 8))
+        return L.sf_verify(lg, d, params(odd), 0, out, err)
+
+    assert verify() == 0
+    for odd in ("logits", "tokens", "num_draft", "out", *vals):
+        assert verify(odd) == L.SF_ERR_ARGUMENT, odd
+    par = ffi.new("int32_t[]", [-1, 0, 0])
+    assert verify(par=par) == 0
+    assert verify(par=shift(par, True)) == L.SF_ERR_ARGUMENT
+    bf16 = ffi.new("sf_logits *", (ffi.cast("char *", buf) + 1, 2, 3, 8, 8))
+    assert L.sf_sample(bf16, params(), 0, out_tok, err) == L.SF_ERR_ARGUMENT
+    lg = ffi.new("sf_logits *", (buf, 0, 3, 8, 8))
+    assert L.sf_sample(lg, params(), 0, shift(out_tok, True), err) == L.SF_ERR_ARGUMENT
+    probs = ffi.new("float[]", 25)
+    assert L.sf_probs(lg, params(), shift(probs, True), err) == L.SF_ERR_ARGUMENT
+    assert L.sf_probs(lg, params(), probs, err) == 0
+    assert L.sf_tree_mask(ffi.NULL, shift(nd, True), 1, 2, ffi.NULL, ffi.NULL, ffi.NULL,
+                          err) == L.SF_ERR_ARGUMENT
+
+
 def test_lists_of_python_ints_stay_integers():
     """numpy makes float64 of an empty list and of ints mixing [0, 2^63) with
     [2^63, 2^64), as random 64-bit seeds do half the time: refused as floats."""

@@ -17,6 +17,11 @@ typedef struct sf_rowparams {
     int64_t position;
 } sf_rowparams;
 
+/* A typed pointer whose address is not a multiple of its type's size: C
+ * forbids reading through it, and on a GPU such a read faults and loses the
+ * context. NULL passes (what may be NULL is checked where it is used). */
+#define SF_MISALIGNED(p) (((uintptr_t)(p) & (sizeof *(p) - 1)) != 0)
+
 #define SF_PICK(p, field, b) ((p)->field[(p)->n_##field == 1 ? 0 : (b)])
 
 static inline void sf_params_get(const sf_params *p, int64_t b, sf_rowparams *r) {
@@ -44,6 +49,9 @@ static inline sf_status sf_params_check(const sf_params *p, int64_t batch,
     if (!p || !p->temperature || !p->top_k || !p->top_p || !p->min_p ||
         !p->seed || !p->position)
         return SF_ERR_ARGUMENT;
+    if (SF_MISALIGNED(p->temperature) || SF_MISALIGNED(p->top_k) || SF_MISALIGNED(p->top_p) ||
+        SF_MISALIGNED(p->min_p) || SF_MISALIGNED(p->seed) || SF_MISALIGNED(p->position))
+        return SF_ERR_ARGUMENT;
     const int64_t n[6] = {p->n_temperature, p->n_top_k, p->n_top_p,
                           p->n_min_p, p->n_seed, p->n_position};
     for (int i = 0; i < 6; i++)
@@ -65,12 +73,22 @@ static inline sf_status sf_logits_check(const sf_logits *l) {
     if (!l || (!l->data && l->rows > 0)) return SF_ERR_ARGUMENT;
     if (l->dtype != SF_F32 && l->dtype != SF_F16 && l->dtype != SF_BF16)
         return SF_ERR_ARGUMENT;
+    if ((uintptr_t)l->data % (uintptr_t)sf_dtype_size(l->dtype)) return SF_ERR_ARGUMENT;
     if (l->vocab < 1 || l->vocab > SF_MAX_VOCAB || l->rows < 0 ||
         l->row_stride < l->vocab)
         return SF_ERR_SHAPE;
     /* Row offsets in bytes must not wrap (they read before the buffer). */
     if (l->rows > 1 && l->row_stride > INT64_MAX / 4 / l->rows) return SF_ERR_SHAPE;
     return SF_OK;
+}
+
+/* Whether any of the draft's or the verify results' arrays is misaligned. */
+static inline int sf_verify_misaligned(const sf_draft *d, const sf_verify_out *o) {
+    return SF_MISALIGNED(d->tokens) || SF_MISALIGNED(d->num_draft) ||
+           SF_MISALIGNED(d->parents) || SF_MISALIGNED(d->dense) ||
+           SF_MISALIGNED(d->sparse_ids) || SF_MISALIGNED(d->sparse_probs) ||
+           SF_MISALIGNED(o->tokens) || SF_MISALIGNED(o->num_accepted) ||
+           SF_MISALIGNED(o->accepted_nodes);
 }
 
 #endif /* SF_PARAMS_H */

@@ -72,7 +72,7 @@ static sf_status run_rows(const sf_logits *logits, const sf_params *params,
 
 SF_API sf_status sf_sample(const sf_logits *logits, const sf_params *params,
                            sf_method method, int32_t *tokens, sf_error *err) {
-    if (!tokens || (method != SF_REJECTION && method != SF_COUPLED)) {
+    if (!tokens || SF_MISALIGNED(tokens) || (method != SF_REJECTION && method != SF_COUPLED)) {
         if (err) err->index = -1;
         return SF_ERR_ARGUMENT;
     }
@@ -82,7 +82,7 @@ SF_API sf_status sf_sample(const sf_logits *logits, const sf_params *params,
 
 SF_API sf_status sf_probs(const sf_logits *logits, const sf_params *params,
                           float *out, sf_error *err) {
-    if (!out) {
+    if (!out || SF_MISALIGNED(out)) {
         if (err) err->index = -1;
         return SF_ERR_ARGUMENT;
     }

@@ -3,13 +3,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../common/params.h"
 #include "specfast.h"
 
 SF_API sf_status sf_tree_mask(const int32_t *parents, const int32_t *num_draft,
                               int64_t batch, int64_t max_draft, uint8_t *mask,
                               uint32_t *bits, int32_t *positions, sf_error *err) {
     if (err) err->index = -1;
-    if (!num_draft || batch < 0 || max_draft < 0 || max_draft > SF_MAX_DRAFT)
+    if (!num_draft || batch < 0 || max_draft < 0 || max_draft > SF_MAX_DRAFT ||
+        SF_MISALIGNED(parents) || SF_MISALIGNED(num_draft) || SF_MISALIGNED(bits) ||
+        SF_MISALIGNED(positions))
         return SF_ERR_ARGUMENT;
     const int64_t width = max_draft + 1, words = (width + 31) / 32;
     int64_t node0 = 0;
@@ -58,7 +61,8 @@ SF_API sf_status sf_kv_compact(const sf_kv_cache *c, const int32_t *nodes,
     if (err) err->index = -1;
     if (!c || !c->data || !num_accepted || !root_slot || max_draft < 0 ||
         (max_draft > 0 && !nodes) || c->n_outer < 0 || c->batch < 0 ||
-        c->n_inner < 0 || c->seq_len < 0 || c->row_bytes < 0)
+        c->n_inner < 0 || c->seq_len < 0 || c->row_bytes < 0 || SF_MISALIGNED(nodes) ||
+        SF_MISALIGNED(num_accepted) || SF_MISALIGNED(root_slot))
         return SF_ERR_ARGUMENT;
     /* A stride-0 axis aliases its entries: moves would overwrite each other
      * (an empty cache, which moves nothing, may have any strides). */

@@ -322,7 +322,8 @@ SF_API sf_status sf_verify(const sf_logits *logits, const sf_draft *draft,
     sf_status st = sf_logits_check(logits);
     if (st == SF_OK && (!draft || !out || !out->tokens || !out->num_accepted ||
                         out->max_draft < 0 || out->max_draft > SF_MAX_DRAFT ||
-                        (out->max_draft > 0 && !out->accepted_nodes)))
+                        (out->max_draft > 0 && !out->accepted_nodes) ||
+                        sf_verify_misaligned(draft, out)))
         st = SF_ERR_ARGUMENT;
     if (st == SF_OK && method != SF_REJECTION && method != SF_COUPLED)
         st = SF_ERR_ARGUMENT;

@@ -1437,7 +1437,10 @@ static sf_status sf_cu_launched(cudaError_t e) {
 }
 
 static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
-    if (!p) return SF_ERR_ARGUMENT;
+    if (!p || SF_MISALIGNED(p->temperature) || SF_MISALIGNED(p->top_k) ||
+        SF_MISALIGNED(p->top_p) || SF_MISALIGNED(p->min_p) || SF_MISALIGNED(p->seed) ||
+        SF_MISALIGNED(p->position))
+        return SF_ERR_ARGUMENT;
     const void *ptr[6] = {p->temperature, p->top_k, p->top_p, p->min_p, p->seed, p->position};
     const int64_t cnt[6] = {p->n_temperature, p->n_top_k, p->n_top_p, p->n_min_p, p->n_seed,
                             p->n_position};
@@ -1604,7 +1607,8 @@ SF_API sf_status sf_cuda_verify(const sf_logits *logits, const sf_draft *draft,
     sf_status st = sf_logits_check(logits);
     if (st != SF_OK) return st;
     if (!draft || !out || !status || !out->tokens || !out->num_accepted || out->max_draft < 0 ||
-        out->max_draft > SF_MAX_DRAFT || (out->max_draft > 0 && !out->accepted_nodes))
+        out->max_draft > SF_MAX_DRAFT || (out->max_draft > 0 && !out->accepted_nodes) ||
+        sf_verify_misaligned(draft, out) || SF_MISALIGNED(status))
         return SF_ERR_ARGUMENT;
     if (method != SF_REJECTION && method != SF_COUPLED) return SF_ERR_ARGUMENT;
     if (draft->kind != SF_DRAFT_NONE && draft->kind != SF_DRAFT_DENSE &&
@@ -1678,7 +1682,9 @@ static sf_status sf_cu_rows(const sf_logits *logits, const sf_cuda_params *param
                             int32_t *status, void *stream) {
     sf_status st = sf_logits_check(logits);
     if (st != SF_OK) return st;
-    if (!status || (!tokens && !probs)) return SF_ERR_ARGUMENT;
+    if (!status || (!tokens && !probs) || SF_MISALIGNED(status) || SF_MISALIGNED(tokens) ||
+        SF_MISALIGNED(probs))
+        return SF_ERR_ARGUMENT;
     if (method != SF_REJECTION && method != SF_COUPLED) return SF_ERR_ARGUMENT;
     if (logits->rows > INT32_MAX) return SF_ERR_SHAPE;
     st = sf_cu_check_params(params, logits->rows);

@@ -53,7 +53,7 @@ extern "C" {
 /* Status codes. The values are pinned: bindings rely on them. */
 typedef enum sf_status {
     SF_OK = 0,
-    SF_ERR_ARGUMENT = 1,     /* a NULL pointer, a bad size or a bad enum */
+    SF_ERR_ARGUMENT = 1,     /* a NULL pointer, one not aligned to its type, a bad size or enum */
     SF_ERR_SHAPE = 2,        /* sizes and counts disagree */
     SF_ERR_PARAM = 3,        /* temperature, top_k, top_p or min_p out of range */
     SF_ERR_LOGITS = 4,       /* a NaN or +inf logit */

@@ -146,8 +146,16 @@ def _as_array(x, name):
     raise ValueError(f"{name} holds integers out of range (from {lo} to {hi})")
 
 
+def _c_array(a, dtype=None):
+    """a as a C-contiguous array (of dtype) whose data is aligned to its type:
+    the C core refuses a misaligned pointer (C forbids reading through one, and
+    a GPU faults), and numpy makes one of a buffer at an odd offset."""
+    return np.require(a, dtype, "CA")
+
+
 def _int_array(x, name, ndim):
-    if type(x) is np.ndarray and x.dtype == _I32 and x.ndim == ndim and x.flags.c_contiguous:
+    if (type(x) is np.ndarray and x.dtype == _I32 and x.ndim == ndim and x.flags.c_contiguous
+            and x.flags.aligned):
         return x  # the common case, checked first: this runs every decoding step
     if _is_torch(x):
         x = _torch_to_numpy(x, name)
@@ -163,7 +171,7 @@ def _int_array(x, name, ndim):
         if a.size and (a.min() < -(1 << 31) or a.max() >= (1 << 31)):
             raise ValueError(f"{name} has values outside the int32 range")
         a = a.astype(np.int32)
-    return np.ascontiguousarray(a)
+    return _c_array(a)
 
 
 # bfloat16 keeps 8 significant bits: rounding each probability can move a row's
@@ -185,7 +193,7 @@ def _float_array(x, name, ndim, probs=False):
         raise TypeError(f"{name} must hold floats, got dtype {a.dtype}")
     if a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    a = np.ascontiguousarray(a, dtype=np.float32)
+    a = _c_array(a, np.float32)
     if probs and bf16 and a.size:  # a is a copy here
         # Times a float32 1 / sum, as the CUDA backend does: the same bits.
         s = a.sum(axis=-1, dtype=np.float64, keepdims=True)
@@ -198,7 +206,7 @@ def _float_array(x, name, ndim, probs=False):
 def _logits(x, name="target_logits"):
     """Returns (array, dtype code, row stride) for 2-D logits, zero-copy when
     the rows are contiguous."""
-    if type(x) is np.ndarray and x.ndim == 2 and x.flags.c_contiguous:
+    if type(x) is np.ndarray and x.ndim == 2 and x.flags.c_contiguous and x.flags.aligned:
         code = _LOGIT_DTYPES.get(x.dtype)
         if code is not None and 1 <= x.shape[1] <= _MAX_VOCAB:
             return x, code, x.shape[1]
@@ -237,8 +245,9 @@ def _logits(x, name="target_logits"):
     if a.ndim != 2:
         raise ValueError(f"{name} must be 2-D (rows, vocab), got shape {a.shape}")
     item = a.itemsize
-    if a.strides[1] != item or a.strides[0] % item or a.strides[0] < a.shape[1] * item:
-        a = np.ascontiguousarray(a)
+    if (a.strides[1] != item or a.strides[0] % item or a.strides[0] < a.shape[1] * item
+            or not a.flags.aligned):
+        a = _c_array(a)
     stride = a.strides[0] // item if a.shape[0] > 1 else a.shape[1]
     if a.shape[1] < 1 or a.shape[1] > _MAX_VOCAB:
         raise ValueError(f"{name}: vocab size {a.shape[1]} must be in [1, {_MAX_VOCAB}]")
@@ -305,7 +314,7 @@ def _array_param(value, name, batch, keep):
         raise ValueError(f"{name} must be in [0, 2^31)")
     if dtype == np.int64 and a.dtype == np.uint64 and a.size and a.max() >= 1 << 63:
         raise ValueError(f"{name} must be below 2^63")
-    a = np.ascontiguousarray(a.reshape(-1), dtype=dtype)
+    a = _c_array(a.reshape(-1), dtype)
     keep.append(a)
     return _ptr(f"{ctype} *", a), a.shape[0]
 
@@ -415,7 +424,7 @@ def _exact_array(v, dtype, batch) -> bool:
     """A numpy array the C core can read as is: 1-D, contiguous, of the C
     type, with one value or one per request."""
     return (type(v) is np.ndarray and v.dtype == dtype and v.ndim == 1
-            and v.shape[0] in (1, batch) and v.flags.c_contiguous)
+            and v.shape[0] in (1, batch) and v.flags.c_contiguous and v.flags.aligned)
 
 
 def _as_float(v, name):

@@ -5,7 +5,7 @@
 
 #include "cuda_fp16.h"
 
-struct __nv_bfloat162 { uint16_t x, y; };
+struct alignas(4) __nv_bfloat162 { uint16_t x, y; }; /* as on the GPU */
 
 namespace sf_emu {
 

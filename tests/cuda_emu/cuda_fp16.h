@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-struct __half2 { uint16_t x, y; };
+struct alignas(4) __half2 { uint16_t x, y; }; /* as on the GPU */
 
 namespace sf_emu {
 
