@@ -47,7 +47,8 @@ def test_unknown_command_is_a_usage_error():
 @pytest.mark.parametrize("args, said", [
     (["--top-p", "0"], "top_p=0.0"), (["--temperature", "-1"], "temperature=-1.0"),
     (["--drafter", "ngram:x"], "'ngram:N' takes"),
-], ids=["top-p", "temperature", "ngram-spec"])
+    (["--stop", ""], "a stop string must not be empty"),
+], ids=["top-p", "temperature", "ngram-spec", "empty-stop"])
 def test_generate_refuses_bad_settings_before_loading_a_model(args, said):
     out = cli("generate", "--prompt", "hi", "--target", "/nonexistent/model", *args)
     assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr

@@ -10,6 +10,8 @@ the real model (float32) is measured in test_decoder_smollm2.py.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -545,6 +547,50 @@ def test_a_draft_model_of_another_vocabulary_is_refused(target):
         SpeculativeDecoder(target, ModelDrafter(tiny_model(vocab=40, layers=1)))
 
 
+def test_memory_report_gives_each_generation_its_own_peaks(target, draft_model):
+    """Both KV peaks are the last generation's: a small one after a large one
+    reports its own (the drafter's peak had kept the large one's)."""
+    dec = SpeculativeDecoder(target, ModelDrafter(draft_model), k=3)
+    dec.generate([PROMPTS[0] * 8] * 4, 8)
+    big = dec.memory_report()["measured"]
+    dec.generate(PROMPTS[0][:3], 8)
+    small = dec.memory_report()["measured"]
+    assert 0 < small["target_kv_peak"] < big["target_kv_peak"]
+    assert 0 < small["draft_kv_peak"] < big["draft_kv_peak"]
+
+
+def test_one_generation_at_a_time(target):
+    """A generation started while one runs (a stream callback's, another
+    thread's) is a RuntimeError, and leaves the running one intact; the decoder
+    is free again after it (errors included)."""
+    dec = SpeculativeDecoder(target, NgramDrafter(), k=3)
+    want = dec.generate(PROMPTS[0], 12).tokens
+    seen = []
+
+    def again(i, tokens, text):
+        with pytest.raises(RuntimeError, match="already generating"):
+            dec.generate(PROMPTS[1], 4)
+        seen.append(i)
+
+    assert dec.generate(PROMPTS[0], 12, stream=again).tokens == want and seen
+    started, release = threading.Event(), threading.Event()
+
+    def hold(i, tokens, text):
+        started.set()
+        release.wait(10)
+
+    worker = threading.Thread(target=dec.generate, args=(PROMPTS[0], 3), kwargs={"stream": hold})
+    worker.start()
+    assert started.wait(10)
+    with pytest.raises(RuntimeError, match="already generating"):
+        dec.generate(PROMPTS[1], 4)
+    release.set()
+    worker.join(10)
+    with pytest.raises(ValueError, match="prompt token ids"):  # raised inside the loop
+        dec.generate([target.vocab_size], 4)
+    assert dec.generate(PROMPTS[0], 12).tokens == want
+
+
 def test_memory_report_takes_each_size_alone(target):
     dec = SpeculativeDecoder(target, NgramDrafter())
     dec.generate([1, 2, 3], 4)
@@ -679,6 +725,25 @@ def test_adapter_refuses_what_it_cannot_run_exactly():
         dec.generate(list(range(1, 21)), 14)
 
 
+def test_a_forward_that_ignores_the_cache_is_an_error():
+    """transformers before 5.24 took the KV cache as past_key_values= and let
+    cache= fall into **kwargs: every step saw only its own tokens, and plain
+    decoding gave other tokens with no error. The adapter checks the cache grew."""
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2)).double()
+    forward = llama.forward
+
+    def old_forward(*args, cache=None, **kw):
+        return forward(*args, **kw)
+
+    llama.forward = old_forward
+    adapter = HFModel(llama, name="old")
+    with pytest.raises(RuntimeError, match="did not extend the cache"):
+        SpeculativeDecoder(adapter).generate([1, 2, 3], 4)
+
+
 @pytest.mark.parametrize("family", ["gpt_neo", "bloom", "mpt", "falcon-alibi"])
 def test_adapter_refuses_positions_read_from_cache_slots(family):
     """Models whose attention reads cache slots, not the position ids the adapter
@@ -745,25 +810,6 @@ def test_a_draft_model_with_fewer_positions_stops_drafting_there():
 def test_malformed_prompts_are_clear_errors(target, prompt, error, said):
     with pytest.raises(error, match=said):
         SpeculativeDecoder(target, NgramDrafter()).generate(prompt, 2)
-
-
-def test_llama_cpp_select_renumbers_kept_rows_in_place():
-    """llama.cpp's rows are sequence ids renumbered by moving cells: kept rows in
-    ascending order each move down once; another order would merge two rows' caches,
-    so it is refused (llama-cpp-python itself is not needed to check this)."""
-    from types import SimpleNamespace
-
-    from specfast.adapters.llama_cpp import LlamaCppModel, LlamaCppState
-
-    calls = []
-    fake = SimpleNamespace(_seq_rm=lambda s, p: calls.append(("rm", s)),
-                           _seq_cp=lambda a, b: calls.append(("cp", a, b)))
-    state = LlamaCppState([5, 6, 7, 8])
-    LlamaCppModel.select(fake, state, [1, 3])
-    assert calls == [("rm", 0), ("rm", 2), ("cp", 1, 0), ("rm", 1), ("cp", 3, 1), ("rm", 3)]
-    assert state.lengths == [6, 8]
-    with pytest.raises(ValueError, match="ascending"):
-        LlamaCppModel.select(fake, LlamaCppState([5, 6]), [1, 0])
 
 
 @pytest.mark.parametrize("tokens", [[1.7, 2.9], [True], np.array([1.0, 2.0])],

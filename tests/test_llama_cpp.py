@@ -1,7 +1,8 @@
 """The llama.cpp target adapter, on the embedded SmolLM2 GGUF.
 
 Runs only where llama-cpp-python is installed (it compiles llama.cpp, about 12
-minutes, so CI skips it). llama.cpp's batched forward is numerically different
+minutes, so CI skips it), but for the adapter's own Python, which the first
+tests run on a stand-in for llama_cpp.Llama. llama.cpp's batched forward is numerically different
 from its one-token forward: these tests pin what holds exactly (a cache rolled
 back and extended again gives the same logits; rows of a batch do not mix) and
 bound what does not.
@@ -10,14 +11,86 @@ bound what does not.
 import numpy as np
 import pytest
 
-pytest.importorskip("llama_cpp")
+from specfast import NgramDrafter, SpeculativeDecoder, workloads
+from specfast.adapters.llama_cpp import LlamaCppModel, LlamaCppState
 
-from specfast import NgramDrafter, SpeculativeDecoder, workloads  # noqa: E402
-from specfast.adapters.llama_cpp import LlamaCppModel  # noqa: E402
+
+class StandIn:
+    """What LlamaCppModel.encode reads of a llama_cpp.Llama: its metadata and
+    tokenizer (bytes as token ids)."""
+
+    def __init__(self, template):
+        self.metadata = {} if template is None else {"tokenizer.chat_template": template}
+
+    def token_bos(self):
+        return 1
+
+    def token_eos(self):
+        return 2
+
+    def detokenize(self, ids, special=False):
+        return b"<s>" if ids == [1] else b"</s>"
+
+    def tokenize(self, text, add_bos=True, special=False):
+        return [1] * add_bos + list(text)
+
+
+def stand_in(template):
+    m = LlamaCppModel.__new__(LlamaCppModel)
+    m.llm, m.chat, m.name, m._epoch = StandIn(template), True, "stand-in.gguf", 0
+    return m
+
+
+def test_chat_messages_a_model_cannot_render_are_value_errors():
+    """No chat template, or one that refuses the messages (raise_exception, as
+    the templates of Llama and Mistral call), is a ValueError saying so (was
+    jinja's TypeError or UndefinedError); a template renders as transformers does."""
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="has no chat template"):
+        stand_in(None).encode(chat)
+    assert stand_in(None).encode("hi") == [1, *b"hi"]  # a plain string needs none
+    refuse = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('users first') }}"
+              "{% endif %}{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="cannot render.*users first"):
+        stand_in(refuse).encode(chat)
+    assert stand_in(refuse).encode("hi") == list(b"<s>hi")
+    with pytest.raises(ValueError, match="cannot render"):
+        stand_in("{{ messages[0].nope.deeper }}").encode(chat)
+
+
+def test_a_state_cleared_by_a_newer_one_is_refused():
+    """The model's one KV cache holds its newest state only: an older state (the
+    instance used as its own draft model, or by two decoders at once) would read
+    the other generation's cells, so using it raises."""
+    m = stand_in(None)
+    m._epoch = 1
+    old = LlamaCppState([5], epoch=1)
+    m._epoch = 2  # what new_state does, besides clearing the cache
+    for call in (lambda: m.forward(old, [[1]]), lambda: m.truncate(old, [2]),
+                 lambda: m.select(old, [0])):
+        with pytest.raises(RuntimeError, match="cleared by a newer new_state"):
+            call()
+
+
+def test_select_renumbers_kept_rows_in_place():
+    """llama.cpp's rows are sequence ids renumbered by moving cells: kept rows in
+    ascending order each move down once; another order would merge two rows' caches,
+    so it is refused (llama-cpp-python itself is not needed to check this)."""
+    calls = []
+    fake = stand_in(None)
+    fake._seq_rm = lambda s, p: calls.append(("rm", s))
+    fake._seq_cp = lambda a, b: calls.append(("cp", a, b))
+    state = LlamaCppState([5, 6, 7, 8])
+    LlamaCppModel.select(fake, state, [1, 3])
+    assert calls == [("rm", 0), ("rm", 2), ("cp", 1, 0), ("rm", 1), ("cp", 3, 1), ("rm", 3)]
+    assert state.lengths == [6, 8]
+    with pytest.raises(ValueError, match="ascending"):
+        LlamaCppModel.select(fake, LlamaCppState([5, 6]), [1, 0])
 
 
 @pytest.fixture(scope="module")
 def llama():
+    pytest.importorskip("llama_cpp")
     hf = pytest.importorskip("specfast.adapters.hf")
     try:
         path = hf.smollm2_path()

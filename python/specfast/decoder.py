@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import resource
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -478,6 +479,12 @@ class SpeculativeDecoder:
         The draft length controller's settings (:class:`DraftLength`:
         ``margin``, ``decay``, ``window``, the priors and the probes).
 
+    A decoder runs one generation at a time (a second one, from another thread
+    or from a ``stream`` callback, is a RuntimeError): its drafter and
+    controller hold the running generation's state. Batch prompts into one
+    call, or make a decoder per thread (each with its own drafter; a model
+    adapter's forward is not thread-safe either).
+
     Examples
     --------
     >>> dec = SpeculativeDecoder(target, NgramDrafter())        # doctest: +SKIP
@@ -507,6 +514,7 @@ class SpeculativeDecoder:
         self.last_metrics: Metrics | None = None
         self._peaks = {"target_kv": 0, "draft_kv": 0}
         self._shape = (1, 0)
+        self._busy = threading.Lock()
 
     # -- public ----------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 128, *, temperature: float = 0.0,
@@ -585,12 +593,18 @@ class SpeculativeDecoder:
 
     # -- the loop -----------------------------------------------------------
     def _run(self, *args):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this SpeculativeDecoder is already generating (one generation "
+                               "at a time: batch the prompts, or make a decoder per thread)")
         try:
             return self._loop(*args)
         finally:  # a remote drafter's session ends with the generation
-            finish = getattr(self.drafter, "finish", None)
-            if finish is not None:
-                finish()
+            try:
+                finish = getattr(self.drafter, "finish", None)
+                if finish is not None:
+                    finish()
+            finally:
+                self._busy.release()
 
     def _loop(self, prompts, sampling, max_new, stream, stop, eos):
         target, drafter, ctl = self.target, self.drafter, self.controller

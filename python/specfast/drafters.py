@@ -444,6 +444,7 @@ class ModelDrafter(Drafter):
     def start(self, contexts, sampling):
         self._state = self.model.new_state(len(contexts))
         self._fed = [0] * len(contexts)
+        self._peak = 0  # memory() reports the generation's own peak, as the target's
 
     def propose(self, contexts, ks, sampling):
         m = self.model

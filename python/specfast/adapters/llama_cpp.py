@@ -33,6 +33,7 @@ def available() -> bool:
 @dataclass
 class LlamaCppState:
     lengths: list = field(default_factory=list)
+    epoch: int = 0  # the model's new_state count when made (see _live)
 
 
 class LlamaCppModel:
@@ -81,6 +82,7 @@ class LlamaCppModel:
         # llama.cpp's memory API, or None before it replaced the kv_cache calls
         self._mem = lc.llama_get_memory(self.ctx) if hasattr(lc, "llama_get_memory") else None
         self.n_seq_max = n_seq_max
+        self._epoch = 0
         self.chat = chat
         self.name = path.rsplit("/", 1)[-1]
         self.vocab_size = self.llm.n_vocab()
@@ -102,16 +104,29 @@ class LlamaCppModel:
             # rendered as transformers renders templates (their whitespace
             # control, the special tokens they may name), so that both adapters
             # give a prompt the same ids; llama-cpp-python depends on jinja2
+            import jinja2
             from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            template = self.llm.metadata.get("tokenizer.chat_template")
+            if not template:
+                raise ValueError(f"{self.name} has no chat template: pass a string or token "
+                                 "ids, not chat messages")
+
+            def raise_exception(message):  # what templates call on messages they refuse
+                raise jinja2.TemplateError(message)
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=["jinja2.ext.loopcontrols"])
-            tpl = env.from_string(self.llm.metadata.get("tokenizer.chat_template"))
+            env.globals["raise_exception"] = raise_exception
             piece = lambda t: "" if t < 0 else \
                 self.llm.detokenize([t], special=True).decode(errors="replace")
-            prompt = tpl.render(messages=prompt, add_generation_prompt=True,
-                                bos_token=piece(self.llm.token_bos()),
-                                eos_token=piece(self.llm.token_eos()))
+            try:
+                prompt = env.from_string(template).render(
+                    messages=prompt, add_generation_prompt=True,
+                    bos_token=piece(self.llm.token_bos()), eos_token=piece(self.llm.token_eos()))
+            except jinja2.TemplateError as e:
+                raise ValueError(f"the chat template cannot render these messages: "
+                                 f"{type(e).__name__}: {e}") from e
             return self.llm.tokenize(prompt.encode(), add_bos=False, special=True)
         if self.chat and self.llm.metadata.get("tokenizer.chat_template"):
             return self.encode([{"role": "user", "content": prompt}])
@@ -140,9 +155,20 @@ class LlamaCppModel:
             self.llama_cpp.llama_memory_clear(self._mem, True)
         else:
             self.llama_cpp.llama_kv_cache_clear(self.ctx)
-        return LlamaCppState([0] * batch)
+        self._epoch += 1
+        return LlamaCppState([0] * batch, self._epoch)
+
+    def _live(self, state) -> None:
+        """The model's one KV cache holds only its newest state: an older one
+        (the same instance as target and draft model, or in two decoders at
+        once) would read another generation's cells."""
+        if state.epoch != self._epoch:
+            raise RuntimeError(f"{self.name}: this state's cache was cleared by a newer "
+                               "new_state; a LlamaCppModel runs one generation at a time "
+                               "(load the draft model as another instance)")
 
     def forward(self, state, tokens, all_logits: bool = True):
+        self._live(state)
         lc = self.llama_cpp
         total = sum(len(t) for t in tokens)
         outs = [np.empty((0, self.vocab_size), np.float32) for _ in tokens]
@@ -197,6 +223,7 @@ class LlamaCppModel:
             self.llama_cpp.llama_kv_cache_seq_cp(self.ctx, src, dst, -1, -1)
 
     def truncate(self, state, lengths) -> None:
+        self._live(state)
         for b, (have, keep) in enumerate(zip(state.lengths, lengths)):
             if keep < have:
                 self._seq_rm(b, keep)
@@ -206,6 +233,7 @@ class LlamaCppModel:
         """Keeps these rows, in ascending order (the decoder keeps the requests that
         go on): sequence ids are renumbered in place by moving their cells, which a
         reordering would merge."""
+        self._live(state)
         rows = list(rows)
         if any(a >= b for a, b in zip(rows, rows[1:])):
             raise ValueError(f"select: rows must be ascending, got {rows}")
