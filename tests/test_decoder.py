@@ -725,6 +725,30 @@ def test_adapter_refuses_what_it_cannot_run_exactly():
         dec.generate(list(range(1, 21)), 14)
 
 
+def test_loading_quiets_transformers_only_while_it_loads():
+    """GGUF de-quantization's own tqdm bar is off during a load, and the
+    caller's transformers logging and bars are as they were after it (the load
+    had turned them down for the whole process)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf
+    from transformers.utils import logging
+
+    from specfast.adapters.hf import _quiet_transformers
+
+    before = logging.get_verbosity()
+    logging.set_verbosity_info()
+    bar = gguf.tqdm
+    try:
+        with _quiet_transformers():
+            assert logging.get_verbosity() == logging.ERROR
+            assert not logging.is_progress_bar_enabled()
+            assert list(gguf.tqdm(range(3), desc="x")) == [0, 1, 2]
+            assert gguf.tqdm(range(1)).disable
+        assert logging.get_verbosity() == logging.INFO and logging.is_progress_bar_enabled()
+        assert gguf.tqdm is bar
+    finally:
+        logging.set_verbosity(before)
+
+
 def test_a_forward_that_ignores_the_cache_is_an_error():
     """transformers before 5.24 took the KV cache as past_key_values= and let
     cache= fall into **kwargs: every step saw only its own tokens, and plain
