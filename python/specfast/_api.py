@@ -612,7 +612,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     each try's token, and where a residual is formed whole at every token with a
     weight under the filters; there their sum (1 within 1e-3) too where no filter is set,
     since under ``top_k``, ``top_p`` or ``min_p`` only the kept tokens are read.
-    Greedy and coupled verification do not read draft probabilities.
+    Greedy and coupled verification do not read dense draft probabilities (a
+    ``SparseProbs`` is checked whole under every method).
 
     A torch CUDA tensor runs on the GPU (:mod:`specfast.cuda`), on the current
     stream, with no host synchronisation: errors found in its device data leave
