@@ -482,8 +482,9 @@ class SpeculativeDecoder:
     A decoder runs one generation at a time (a second one, from another thread
     or from a ``stream`` callback, is a RuntimeError): its drafter and
     controller hold the running generation's state. Batch prompts into one
-    call, or make a decoder per thread (each with its own drafter; a model
-    adapter's forward is not thread-safe either).
+    call, or make a decoder per thread, each with its own drafter (an
+    ``HFModel`` may be shared by them, as the drafting server shares one; a
+    ``LlamaCppModel`` runs one generation at a time).
 
     Examples
     --------
