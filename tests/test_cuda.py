@@ -393,6 +393,23 @@ def test_errors_are_reported(rng):
                      check=True)
 
 
+def test_check_names_the_lowest_bad_request_wherever_its_values_are():
+    """With check=True a bad device-held parameter of a lower request is named
+    before a bad host-held one of a higher request, as the CPU names the lowest."""
+    x = np.zeros((6, 40), np.float32)  # 3 requests, 1 draft each
+    tokens, nd = np.array([1, 2, 3], np.int32), np.array([1, 1, 1])
+    top_p = np.array([1.0, 2.0, 1.0], np.float32)  # request 1
+    min_p = np.array([0.0, 0.0, -1.0], np.float32)  # request 2
+    with pytest.raises(ValueError, match="request 1") as cpu:
+        sf.verify(x, tokens, nd, top_p=top_p, min_p=min_p)
+    with pytest.raises(ValueError) as gpu:
+        _cuda.verify(to_torch(x), to_torch(tokens), nd, check=True, top_p=to_torch(top_p),
+                     min_p=min_p)
+    assert str(gpu.value) == str(cpu.value)
+    with pytest.raises(ValueError, match="row 1"):
+        _cuda.sample(to_torch(x[:3]), check=True, top_p=to_torch(top_p), min_p=min_p)
+
+
 BAD_PARAMS = {
     "temperature (1, B)": dict(temperature=np.array([[1.0, 0.5]], np.float32)),
     "top_k (B, 1)": dict(top_k=np.array([[3], [5]], np.int32)),

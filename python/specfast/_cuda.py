@@ -320,14 +320,16 @@ def _raise_host(status, what, params):
     check(status, what, -1, detail)
 
 
-def _check_host_params(what, params, batch):
+def _check_host_params(what, params, batch, read_device):
     """Parameters held on the host are checked now, as the CPU backend does;
-    those in device tensors are checked by the kernel (no synchronisation)."""
+    those in device tensors are checked by the kernel (no synchronisation), or
+    here too with ``read_device`` (check=True), so that the lowest bad request
+    is the one named, as on the CPU, wherever its values are held."""
     from ._lib import check
 
     if batch == 0:
         return  # no request reads them
-    first = _first_bad_param({k: v for k, v in params.items() if not is_cuda(v)})
+    first = _first_bad_param({k: v for k, v in params.items() if read_device or not is_cuda(v)})
     if first is not None:
         check(3, what, first, _param_detail(params, first))
 
@@ -447,7 +449,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         d.kind, d.dense = 1, _ptr(q)
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, check)
-    _check_host_params("specfast.verify", pvals, batch)
+    _check_host_params("specfast.verify", pvals, batch, check)
     out = _out_dict(out, ("tokens", "num_accepted", "accepted_nodes", "status", "workspace"))
     width = max_draft + 1
     o_tok = _out(out, "tokens", (batch, width), torch.int32, dev)
@@ -486,7 +488,7 @@ def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p
     rows = x.shape[0]
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position, check)
-    _check_host_params(what, pvals, rows)
+    _check_host_params(what, pvals, rows, check)
     out = _out_dict(out, (name, "status"))
     if name == "tokens":
         result = _out(out, name, (rows,), torch.int32, dev)
