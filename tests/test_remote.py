@@ -267,6 +267,34 @@ def test_auth_token(target, tmp_path):
         server.stop(0)
 
 
+def test_a_peer_without_the_token_is_refused_as_its_stream_opens(target):
+    """The token also travels in the stream's metadata: a peer without it is
+    refused before it sends anything (it held a worker for HELLO_WAIT, 10 s,
+    waiting for a hello); the hello's token is checked too; any UTF-8 token."""
+    import time as _time
+
+    token = "s3cret-\u00e9\u6f22"
+    server, port = serve(lambda: NgramDrafter(), auth_token=token, workers=1)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.DrafterStub(ch)
+            silent = threading.Event()
+            for metadata in (None, (("specfast-auth-bin", b"wrong"),)):
+                t0 = _time.monotonic()
+                replies = list(stub.Session(iter(lambda: silent.wait(5) and None, 1),
+                                            metadata=metadata, timeout=5))
+                assert _time.monotonic() - t0 < 2
+                assert [r.error.message for r in replies] == ["authentication failed"]
+            replies = list(stub.Session(iter([hello(auth_token="wrong")]), timeout=5, metadata=(
+                ("specfast-auth-bin", token.encode()),)))
+            assert [r.error.message for r in replies] == ["authentication failed"]
+        ok = remote(port, target, auth_token=token)
+        SpeculativeDecoder(target, ok, k=2).generate(PROMPTS[0], 8)
+        assert ok.stats.steps > 0 and not ok.stats.failures
+    finally:
+        server.stop(0)
+
+
 def raw_session(port, messages, timeout=5.0):
     """Sends messages on one stream; returns the replies."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:

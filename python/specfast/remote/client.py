@@ -30,7 +30,7 @@ import numpy as np
 from .. import _api
 from ..drafters import Draft, Drafter, NgramDrafter, check_arg
 from . import drafter_pb2 as pb
-from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, VERSION, put_until
+from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, TOKEN_KEY, VERSION, put_until
 
 _KEEP_ALL = (1 << 32) - 1  # a keep (uint32) that rolls nothing back
 
@@ -83,13 +83,14 @@ class _Stream:
 
     INBOX = 8  # replies read ahead; a step brings at most two (drafts, look-ahead)
 
-    def __init__(self, stub, timeout):
+    def __init__(self, stub, timeout, auth_token=None):
         self._out: queue.Queue = queue.Queue()
         # Bounded: a drafter that sends faster than steps read waits in gRPC's
         # flow control, instead of filling this process's memory.
         self._in: queue.Queue = queue.Queue(maxsize=self.INBOX)
         self._closed = threading.Event()
-        self._call = stub.Session(iter(self._out.get, None))
+        self._call = stub.Session(iter(self._out.get, None), metadata=(
+            ((TOKEN_KEY, auth_token.encode()),) if auth_token is not None else None))
         self.timeout = timeout
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -312,7 +313,7 @@ class RemoteDrafter(Drafter):
         strict, self._strict = self._strict, False
         stream = None
         try:
-            stream = _Stream(self._stub, self.timeout)
+            stream = _Stream(self._stub, self.timeout, self.auth_token)
             hello = pb.Hello(version=VERSION, auth_token=self.auth_token or "",
                              payload=PAYLOADS[self.payload], top_k=self.top_k,
                              vocab_size=self.vocab_size, lookahead=self.lookahead)

@@ -32,6 +32,10 @@ MAX_DRAFT = 1024  # the verifier's limit per request
 MAX_TOP_K = 1024
 MAX_BATCH = 1 << 16
 HELLO_WAIT = 10.0  # seconds from a stream's start to its hello
+# The stream's metadata key that carries the token's UTF-8 (as well as the
+# hello), so that a peer without it is refused as its stream opens, not after
+# holding a worker for HELLO_WAIT ("-bin": gRPC takes any bytes there).
+TOKEN_KEY = "specfast-auth-bin"
 MAX_TOKENS = 1 << 21  # context tokens a session may hold, all requests together
 log = logging.getLogger("specfast.remote")
 
@@ -267,6 +271,10 @@ class DrafterService(pb_grpc.DrafterServicer):
         self.name = getattr(make_drafter(), "name", "drafter")
 
     def Session(self, request_iterator, context):  # noqa: N802 - gRPC's name
+        if self.auth_token is not None and not self._authentic(context):
+            log.warning("session refused: authentication failed")
+            yield pb.FromDrafter(error=pb.Error(message="authentication failed"))
+            return
         # a reader thread, so that a step that has already arrived cancels the
         # look-ahead it would make stale; it reads one message ahead at most
         # (what a client sends faster waits in gRPC's flow control, not here)
@@ -306,8 +314,7 @@ class DrafterService(pb_grpc.DrafterServicer):
                 if session is None:
                     if kind != "hello":
                         raise ProtocolError("the first message must be hello")
-                    if self.auth_token is not None and not hmac.compare_digest(
-                            msg.hello.auth_token.encode(), self.auth_token.encode()):
+                    if self.auth_token is not None and not self._same(msg.hello.auth_token):
                         raise ProtocolError("authentication failed")
                     drafter = self.make_drafter()
                     session = _Session(msg.hello, drafter, self.max_tokens, self.max_message)
@@ -333,6 +340,14 @@ class DrafterService(pb_grpc.DrafterServicer):
                 message=f"drafter failed: {type(e).__name__}: {e}", transient=True)))
         finally:
             watchdog.done.set()
+
+    def _same(self, token) -> bool:
+        token = token.encode() if isinstance(token, str) else token
+        return hmac.compare_digest(token, self.auth_token.encode())
+
+    def _authentic(self, context) -> bool:
+        sent = [v for k, v in context.invocation_metadata() or () if k == TOKEN_KEY]
+        return len(sent) == 1 and isinstance(sent[0], bytes) and self._same(sent[0])
 
 
 def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=None,
