@@ -503,10 +503,10 @@ def test_prompts_forms(target):
     (dict(temperature=10**400), ValueError), (dict(prompt=[1, 2, 48]), ValueError),
     (dict(prompt=[-1, 2]), ValueError), (dict(top_p=1e-50), ValueError),
     (dict(max_new_tokens=True), TypeError), (dict(stop=7), TypeError),
-    (dict(stop=b"7"), TypeError),
+    (dict(stop=b"7"), TypeError), (dict(stream=True), TypeError),
 ], ids=["seed-negative", "seed-big", "seed-float", "max-float", "max-negative",
         "temperature", "top_p", "temperature-huge", "prompt-id", "prompt-negative",
-        "top_p-0-in-float32", "max-bool", "stop-int", "stop-bytes"])
+        "top_p-0-in-float32", "max-bool", "stop-int", "stop-bytes", "stream-not-callable"])
 def test_generate_rejects_bad_arguments_up_front(target, kw, error):
     """Checked before any forward, with the library's own rules (no OverflowError
     from a seed, no IndexError from the embedding, no silent int())."""

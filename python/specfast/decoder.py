@@ -560,6 +560,9 @@ class SpeculativeDecoder:
         max_new = operator.index(max_new_tokens)
         if max_new < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+        if stream is not None and not callable(stream):
+            raise TypeError(f"stream must be a callable (index, token_ids, text) or None, "
+                            f"got {type(stream).__name__}")
         sampling = [_sampling(temperature, top_k, top_p, min_p, s, method) for s in seeds]
         results = self._run(prompts, sampling, max_new, stream, _stops(stop), eos)
         return results[0] if single else results
