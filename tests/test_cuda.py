@@ -410,6 +410,22 @@ def test_check_names_the_lowest_bad_request_wherever_its_values_are():
         _cuda.sample(to_torch(x[:3]), check=True, top_p=to_torch(top_p), min_p=min_p)
 
 
+def test_an_error_message_does_not_read_device_values_unless_checking():
+    """A bad host-held parameter raises at once; without check its message shows
+    a device-held one as such instead of copying it to the host (a synchronisation,
+    which breaks a graph capture); with check it shows the value."""
+    x = to_torch(np.zeros((4, 40), np.float32))
+    tokens, nd = to_torch(np.array([1, 2], np.int32)), np.array([1, 1])
+    top_p = to_torch(np.array([0.5, 0.9], np.float32))
+    with pytest.raises(ValueError, match=r"temperature=-1.0, top_k=0, top_p=\(on the device\)"):
+        _cuda.verify(x, tokens, nd, temperature=-1.0, top_p=top_p, check=False)
+    with pytest.raises(ValueError, match=r"top_p=0.5"):
+        _cuda.verify(x, tokens, nd, temperature=-1.0, top_p=top_p, check=True)
+    with pytest.raises(ValueError, match=r"max_draft .* got \(on the device\)"):
+        _cuda.verify(x, tokens, to_torch(np.array([1, 1], np.int32)),
+                     max_draft=to_torch(np.array(1, np.int32)))
+
+
 BAD_PARAMS = {
     "temperature (1, B)": dict(temperature=np.array([[1.0, 0.5]], np.float32)),
     "top_k (B, 1)": dict(top_k=np.array([[3], [5]], np.int32)),

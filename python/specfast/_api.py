@@ -535,7 +535,8 @@ def _param_detail(param_values, index) -> str:
     shown = []
     for k, v in param_values.items():
         vv = _param_values(v)
-        value = vv[0 if vv.size == 1 else index].item()
+        value = vv[0 if vv.size == 1 else index]
+        value = value.item() if isinstance(value, np.generic) else value  # or a stand-in
         # The rules hold for the float32 values the kernels read: say where
         # rounding to float32 made a value 0 or inf.
         with np.errstate(over="ignore"):

@@ -6,9 +6,17 @@ CUDA library. The kernels run on ``torch.cuda.current_stream()``, the results st
 on the device, and nothing here synchronises with the host or copies to it, so the
 calls can be captured in a CUDA graph, provided that
 
-- every array argument is already a CUDA tensor (numpy arrays and CPU tensors are
-  copied to the device, which is allowed but not capturable) and scalar
-  parameters are Python numbers;
+- every array argument is already a CUDA tensor on the logits' device (numpy
+  arrays and CPU tensors are copied to the device, which is allowed but not
+  capturable); in the kernels' types (int32 tokens, num_draft, parents and
+  sparse ids, float32 probabilities and parameters, int64 seed and position,
+  rows of unit stride) nothing is converted, else a converted copy is made on
+  the device (capturable);
+- scalar parameters are Python numbers, and a replay reuses them as captured:
+  what changes from step to step (seed, position) must be a device tensor
+  that the caller updates in place before each replay;
+- one call ran on the device before the capture (the first call loads the
+  kernels and sets their shared memory limits);
 - ``max_draft`` is given when ``num_draft`` is a CUDA tensor (otherwise it is
   read back with ``num_draft.max()``, a synchronisation);
 - errors in device data are left on the device (shapes, and parameters held on
@@ -16,7 +24,7 @@ calls can be captured in a CUDA graph, provided that
   tokens -1 (a row of ``probs``: NaN), and its status code is in
   ``out["status"]`` when ``out`` is given.
   ``check=True`` (or ``SPECFAST_CUDA_CHECK=1``) synchronises and raises the
-  exception the CPU backend would raise. Without it, values in device tensors are
+  exception the CPU backend would raise (during a capture it is refused). Without it, values in device tensors are
   not read on the host: a seed tensor of negative values is used as its 64 bits
   (the CPU raises), and an int64 tensor narrowed to int32 (draft tokens, parents,
   top_k) wraps; with it, both raise as on the CPU.
@@ -119,6 +127,8 @@ def _on_device(x, dtype, dev, name, ndim=None, check=False):
         if (check and ints and is_cuda(t) and t.numel() and t.dtype != dtype
                 and t.element_size() >= dtype.itemsize):
             _check_fits(int(t.min()), int(t.max()), dtype, name)  # synchronises
+        if is_cuda(t) and t.device != dev:  # a copy between devices: not capturable
+            raise ValueError(f"{name} is on {t.device}, the logits on {dev}")
         t = t.to(device=dev, dtype=dtype)
     else:
         a = _as_array(x, name)
@@ -316,7 +326,7 @@ def _raise_host(status, what, params):
         _launch_error(what)
     detail = None
     if status == 3:
-        detail = f"{_PARAM_RULES}; got " + ", ".join(f"{k}={v!r}" for k, v in params.items())
+        detail = f"{_PARAM_RULES}; got " + ", ".join(f"{k}={_shown(v)}" for k, v in params.items())
     check(status, what, -1, detail)
 
 
@@ -329,9 +339,26 @@ def _check_host_params(what, params, batch, read_device):
 
     if batch == 0:
         return  # no request reads them
-    first = _first_bad_param({k: v for k, v in params.items() if read_device or not is_cuda(v)})
+    if not read_device:
+        params = {k: _ON_DEVICE if is_cuda(v) else v for k, v in params.items()}
+    first = _first_bad_param({k: v for k, v in params.items() if v is not _ON_DEVICE})
     if first is not None:
         check(3, what, first, _param_detail(params, first))
+
+
+class _OnDevice:
+    """A device-held value in an error message that must not read it (a copy to
+    the host would synchronise, and break a graph capture)."""
+
+    def __repr__(self):
+        return "(on the device)"
+
+
+_ON_DEVICE = _OnDevice()
+
+
+def _shown(v):
+    return _ON_DEVICE if is_cuda(v) else repr(v)
 
 
 def _raise_device(status, what, params):
@@ -352,7 +379,11 @@ def _raise_device(status, what, params):
 
 def _want_check(check):
     if check is None:
-        return os.environ.get("SPECFAST_CUDA_CHECK", "") not in ("", "0")
+        check = os.environ.get("SPECFAST_CUDA_CHECK", "") not in ("", "0")
+    torch = _torch()
+    if check and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("check=True (or SPECFAST_CUDA_CHECK=1) synchronises with the "
+                           "device, which a CUDA graph capture forbids")
     return bool(check)
 
 
@@ -405,7 +436,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         max_draft = most if max_draft is None else max_draft
         nd = _on_device(nd_host, torch.int32, dev, "num_draft", 1)
     if not _is_int(max_draft) or not 0 <= max_draft <= _MAX_DRAFT:
-        raise ValueError(f"max_draft must be an integer in [0, {_MAX_DRAFT}], got {max_draft!r}")
+        raise ValueError(f"max_draft must be an integer in [0, {_MAX_DRAFT}], "
+                         f"got {_shown(max_draft)}")
     if not is_cuda(num_draft) and max_draft < most:
         raise ValueError(f"max_draft={max_draft} but num_draft holds {most}")
     max_draft = int(max_draft)
