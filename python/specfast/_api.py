@@ -510,7 +510,7 @@ _PARAM_OK = {
 def _param_values(v) -> np.ndarray:
     """A parameter's values, 1-D on the host (a device tensor is copied back)."""
     if _is_torch(v):
-        t = v.detach().reshape(-1).cpu()
+        t = v.detach().resolve_neg().reshape(-1).cpu()  # a negated view holds -v
         return (t.float() if str(t.dtype) == "torch.bfloat16" else t).numpy()
     return np.asarray(v).reshape(-1)
 
