@@ -256,7 +256,9 @@ def test_torch_and_specfast_emit_the_exact_distribution(kind, filters, rng):
     res = sf.verify(logits, drafts, nd, draft_probs=sf_q, method=method,
                     seed=np.arange(b, dtype=np.uint64), position=rng.integers(0, 2**40, b),
                     **params)
-    assert_outcomes(outcome_keys(res), expected, f"specfast {kind} {filters}")
+    # B_COPIES draws see 2% of the outcome distribution: what a benchmark's peer
+    # must match (test_verify holds specfast to 1%)
+    assert_outcomes(outcome_keys(res), expected, f"specfast {kind} {filters}", resolution=0.02)
 
     t_q = None if q_np is None else (
         tuple(torch.from_numpy(a) for a in q_rep) if kind == "sparse" else torch.from_numpy(q_rep))
@@ -266,7 +268,7 @@ def test_torch_and_specfast_emit_the_exact_distribution(kind, filters, rng):
     n = tr.num_accepted.numpy()
     toks = tr.tokens.numpy()
     keys = [(tuple(range(a)), int(toks[i, a])) for i, a in enumerate(n)]
-    assert_outcomes(keys, expected, f"torch {kind} {filters}")
+    assert_outcomes(keys, expected, f"torch {kind} {filters}", resolution=0.02)
     # Mean accepted tokens agree too (a summary the bench table reports): within 8 sigma.
     spread = np.sqrt((n.var() + res.num_accepted.var()) / b)
     assert abs(n.mean() - res.num_accepted.mean()) <= 8 * spread + 1e-9
@@ -283,7 +285,7 @@ def test_torch_residual_samplers_agree(sampler, rng):
                       torch.full((b,), 2), draft_probs=torch.from_numpy(np.tile(q_np, (b, 1))),
                       generator=g, sampler=sampler)
     keys = [(tuple(range(a)), int(tr.tokens[i, a])) for i, a in enumerate(tr.num_accepted.tolist())]
-    assert_outcomes(keys, expected, f"torch residual by {sampler}")
+    assert_outcomes(keys, expected, f"torch residual by {sampler}", resolution=0.03)
 
 
 @needs_torch

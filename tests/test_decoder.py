@@ -152,8 +152,9 @@ def test_batch_rows_finish_at_different_times(target):
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_rejection_sampling_is_exact(drafter, params):
     """The joint distribution of the first two tokens equals the target's (a smoke
-    test of the whole loop; test_rejection_passes_exact_rows_to_verify pins the
-    inputs of every verification exactly)."""
+    test of the whole loop: 6000 generations see 6% of the joint distribution, what a
+    wrong key or rollback moves; test_rejection_passes_exact_rows_to_verify pins the
+    inputs of every verification exactly, and test_verify holds the kernel to 1%)."""
     target, draft = tiny_model(vocab=6, seed=3, scale=0.4), tiny_model(vocab=6, seed=4, scale=0.4)
     prompt = [1, 2, 1, 2, 1]
     n = scaled(6000)
@@ -161,7 +162,7 @@ def test_rejection_sampling_is_exact(drafter, params):
     out = SpeculativeDecoder(target, d, k=2).generate(
         [prompt] * n, 2, seed=list(range(n)), method="rejection", **params)
     assert_outcomes([tuple(g.tokens) for g in out], two_token_joint(target, prompt, **params),
-                    f"rejection/{drafter}/{params}")
+                    f"rejection/{drafter}/{params}", resolution=0.06)
     total = sum(g.metrics.draft_n for g in out)
     assert total > 0  # the drafter really drafted
 

@@ -28,7 +28,7 @@ FILTERS = {
     "T=1.5,min_p=0.1": dict(temperature=1.5, min_p=0.1),
     "all-three": dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.02),
 }
-N = scaled(100_000)
+N = scaled(300_000)
 
 
 def row_logits(rng, vocab, dtype, banned=True):
@@ -57,7 +57,8 @@ def test_sample_distribution(method, vocab, dtype, filters, rng):
     logits = np.repeat(row, N, axis=0)
     tokens = sf.sample(logits, **f, seed=1234, position=np.arange(N), method=method)
     assert isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.shape == (N,)
-    assert_samples(tokens, expected, f"sample({method}, V={vocab}, {dtype}, {f})")
+    assert_samples(tokens, expected, f"sample({method}, V={vocab}, {dtype}, {f})",
+                   forced=np.count_nonzero(expected) == 1)  # V=1, or a filter leaving one
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -95,10 +96,10 @@ LARGE_FILTERS = {
 
 @pytest.mark.parametrize("method", METHODS)
 def test_sample_large_vocab_distribution(method, rng):
-    """1e5 draws from one V = 32000 row (a flat tail under 40 graded tokens): the 40 and
+    """3e5 draws from one V = 32000 row (a flat tail under 40 graded tokens): the 40 and
     the tail follow p closely enough to see a 1% error (test_sample_large_vocab below
     checks the support of every filter at V = 128256 with few draws)."""
-    V, chunk, n = 32000, 1000, scaled(100_000)
+    V, chunk, n = 32000, 1000, scaled(300_000)
     x = rng.standard_normal(V).astype(np.float32)
     graded = rng.choice(V, 40, replace=False)
     x[graded] += np.linspace(7.0, 3.0, 40, dtype=np.float32)
@@ -118,7 +119,9 @@ def test_sample_large_vocab_distribution(method, rng):
 def test_sample_large_vocab(method, vocab, dtype, filters, rng):
     """Three strong tokens over a long tail: draws stay in the support of the filtered
     distribution, and the three and the tail as a whole get their mass (~32 MB of rows
-    per call: the power is coarse, the support check exact)."""
+    per call: 62 to 500 draws, which see only a gross error; the support check is
+    exact). The tail holds most of the mass, so top_p and min_p move to the nearest
+    values no cumulative mass comes near (top_p=0.9 to between 0.44 and 0.81)."""
     x = rng.standard_normal(vocab).astype(np.float32) * 1.5
     strong = rng.choice(vocab, 3, replace=False)
     x[strong] += [9.0, 8.5, 8.0]
@@ -132,7 +135,8 @@ def test_sample_large_vocab(method, vocab, dtype, filters, rng):
     assert outside.size == 0, f"drew tokens outside the support: {outside[:10]}"
     cats = order_of(row[0])[:3]
     counts = np.array([(tokens == c).sum() for c in cats] + [(~np.isin(tokens, cats)).sum()])
-    assert_counts(counts, np.append(p[cats], max(1 - p[cats].sum(), 0.0)), f"V={vocab} {f}")
+    assert_counts(counts, np.append(p[cats], max(1 - p[cats].sum(), 0.0)), f"V={vocab} {f}",
+                  resolution=0.35, forced=True)  # at V=128256 the 62 draws may fill one bin
 
 
 @pytest.mark.parametrize("vocab", [8, 3000], ids=lambda v: f"V={v}")
@@ -149,9 +153,11 @@ def test_min_p_keeps_tokens_just_above_its_edge(method, temperature, vocab, rng)
     x[at] = (temperature * np.log(rel)).astype(np.float32)  # p ∝ rel after the temperature
     p = ref_probs_row(x, temperature=temperature, min_p=min_p)
     assert np.count_nonzero(p) == 5 and p[at[3]] == 0 and p[at[2]] > 0
-    n = scaled(60_000)
-    tokens = sf.sample(np.repeat(x[None], n, axis=0), temperature=temperature, min_p=min_p,
-                       seed=17, position=np.arange(n), method=method)
+    n, chunk = scaled(150_000), 15_000
+    rows = np.repeat(x[None], chunk, axis=0)
+    tokens = np.concatenate([
+        sf.sample(rows, temperature=temperature, min_p=min_p, seed=17,
+                  position=np.arange(s, s + chunk), method=method) for s in range(0, n, chunk)])
     assert_samples(tokens, p, f"min_p edge ({method}, T={temperature}, V={vocab})")
 
 
@@ -238,7 +244,7 @@ def test_sample_per_row_parameters(rng):
 
 def test_sample_rows_of_different_distributions(rng):
     """Many different rows in one call, each repeated: every row's draws follow its own p."""
-    vocab, rows, reps = 9, 8, scaled(25_000)
+    vocab, rows, reps = 9, 8, scaled(40_000)
     x = (rng.standard_normal((rows, vocab)) * 1.5).astype(np.float32)
     temps = np.array([1.0, 0.5, 2.0, 1.0, 0.8, 1.0, 1.2, 0.7])
     top_k = np.array([0, 0, 0, 4, 0, 3, 0, 6])

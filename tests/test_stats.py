@@ -17,7 +17,8 @@ from reference import (
     sample_rows,
     tree_outcomes,
 )
-from stats import assert_outcomes, assert_rate, assert_samples, assert_transitions
+from stats import (assert_counts, assert_outcomes, assert_rate, assert_samples,
+                   assert_transitions, detectable_tv)
 
 LN2 = math.log(2.0)
 
@@ -72,10 +73,10 @@ P12 = np.array([0.2, 0.15, 0.12, 0.1, 0.1, 0.08, 0.07, 0.06, 0.05, 0.04, 0.02, 0
 def test_helpers_accept_exact_samples():
     rng = np.random.default_rng(1)
     for _ in range(5):
-        assert_samples(rng.choice(12, size=100_000, p=P12), P12, "exact")
+        assert_samples(rng.choice(12, size=300_000, p=P12), P12, "exact")
 
 
-@pytest.mark.parametrize("n", [100_000], ids=lambda n: f"n={n}")
+@pytest.mark.parametrize("n", [300_000], ids=lambda n: f"n={n}")
 def test_helpers_reject_a_one_percent_error(n):
     """Move 1% of mass between two tokens: the suite's sample sizes must see it."""
     rng = np.random.default_rng(2)
@@ -83,22 +84,54 @@ def test_helpers_reject_a_one_percent_error(n):
         bad = P12.copy()
         bad[src] -= 0.01
         bad[dst] += 0.01
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match="chi-square"):
             assert_samples(rng.choice(12, size=n, p=bad), P12, "perturbed")
 
 
 def test_helpers_reject_a_one_percent_error_spread_over_every_token():
     """The hardest 1% to see: total variation 0.01 spread over all 12 tokens in
-    proportion to their probabilities. 1e5 draws see it about half the time; the main
-    fixed-draft tests draw 3e5."""
+    proportion to their probabilities. 1e5 draws see it about half the time (and are
+    refused as too weak for a 1% resolution); the suite draws 3e5."""
     rng = np.random.default_rng(4)
     signs = np.array([1, -1] * 6)
     for shift in (signs, -signs, np.roll(signs, 3)):
         bad = P12 * (1 + 0.02 * shift)
         bad /= bad.sum()
         assert 0.5 * np.abs(bad - P12).sum() >= 0.009
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match="chi-square"):
             assert_samples(rng.choice(12, size=300_000, p=bad), P12, "spread")
+
+
+def test_power_is_what_detectable_tv_says():
+    """At the draws detectable_tv asks for a 1% total variation, an error of that
+    size placed where it is hardest to see (between two halves, in proportion to the
+    probabilities) is rejected about POWER (0.9) of the time, and a smaller count
+    of draws is refused as too weak before any statistic."""
+    rng = np.random.default_rng(6)
+    df = P12.size - 1
+    n = next(n for n in range(100_000, 1_000_000, 5_000) if detectable_tv(n, df) <= 0.01)
+    half = np.zeros(12, bool)
+    half[[0, 3, 4, 7, 8, 11]] = True  # about half the mass each side
+    d = np.where(half, P12 / P12[half].sum(), -P12 / P12[~half].sum()) * 0.01
+    bad = P12 + d
+    assert abs(0.5 * np.abs(bad - P12).sum() - 0.01) < 1e-12
+    caught = 0
+    for _ in range(200):
+        try:
+            assert_counts(rng.multinomial(n, bad), P12)
+        except AssertionError:
+            caught += 1
+    assert 0.8 <= caught / 200 <= 0.97, caught
+    with pytest.raises(AssertionError, match="too weak a test"):
+        assert_counts(rng.multinomial(n // 2, P12), P12)
+    assert_counts(rng.multinomial(n // 2, P12), P12, resolution=0.015)  # as it says
+    with pytest.raises(AssertionError, match="too weak a test"):
+        assert_rate(450, 1000, 0.45)
+    with pytest.raises(AssertionError, match="one bin"):
+        assert_counts([500, 0], [1.0, 0.0])
+    assert_counts([500, 0], [1.0, 0.0], forced=True)
+    with pytest.raises(AssertionError, match="zero-probability"):
+        assert_counts([499, 1], [1.0, 0.0], forced=True)
 
 
 def test_helpers_reject_draws_on_zero_probability():
@@ -110,13 +143,13 @@ def test_helpers_reject_draws_on_zero_probability():
 def test_transitions_and_rates():
     rng = np.random.default_rng(3)
     trans = rng.dirichlet(np.ones(5), size=5)
-    prev = rng.integers(0, 5, 100_000)
+    prev = rng.integers(0, 5, 200_000)
     nxt = sample_rows(rng, trans[prev])
     assert_transitions(prev, nxt, trans, "exact")
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="chi-square"):
         assert_transitions(prev, nxt, trans[::-1], "swapped rows")
     assert_rate(30_100, 100_000, 0.3)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="binomial"):
         assert_rate(31_000, 100_000, 0.3)
 
 

@@ -243,13 +243,14 @@ def test_model_tree_siblings_follow_what_they_report():
         qa = without(a)
         for b in np.nonzero(qa)[0]:
             expected[(int(a), int(b))] = q[a] * qa[b]
-    assert_outcomes(pairs, expected, "first two siblings")
+    assert_outcomes(pairs, expected, "first two siblings", resolution=0.03)  # 2e4 pairs
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_tree_rejection_sampling_is_exact(drafter):
     """The joint distribution of the first two tokens equals the target's when
-    every step verifies a tree of deterministic candidates."""
+    every step verifies a tree of deterministic candidates (a smoke test of the loop:
+    6000 generations see 6% of it; test_verify holds the kernel to 1%)."""
     target = tiny_model(vocab=6, seed=3, scale=0.4)
     prompt = [1, 2, 1, 3, 1, 2, 4, 1]
     n = scaled(6000)
@@ -260,7 +261,7 @@ def test_tree_rejection_sampling_is_exact(drafter):
     out = dec.generate([prompt] * n, 3, temperature=1.0, seed=list(range(n)),
                        method="rejection")
     assert_outcomes([tuple(g.tokens[:2]) for g in out], two_token_joint(target, prompt),
-                    f"rejection/tree/{drafter}")
+                    f"rejection/tree/{drafter}", resolution=0.06)
     assert sum(g.metrics.draft_n for g in out) > 2 * n  # trees of siblings were verified
 
 

@@ -43,7 +43,7 @@ from reference import (
 from stats import assert_outcomes, assert_rate, assert_samples, assert_transitions, scaled
 
 B_FIXED = scaled(300_000)  # copies of one request with fixed drafts
-B_TOY = scaled(60_000)  # requests with random drafts
+B_TOY = scaled(150_000)  # requests with random drafts
 
 
 def replicate(rows, tokens, parents, q, batch, rng, *, kind, dtype="float32", chain=False):
@@ -210,7 +210,8 @@ def test_fixed_drafts_exact_outcomes(name, dtype, rng):
     res = call_verify(args, kw, **params)
     assert isinstance(res.tokens, np.ndarray)
     check_structure(res, args[1], args[2], kw["parents"], rows.shape[1])
-    assert_outcomes(outcome_counts(res), expected, f"{name} ({dtype}, {params})")
+    assert_outcomes(outcome_counts(res), expected, f"{name} ({dtype}, {params})",
+                    forced=len(expected) == 1)  # greedy: one outcome, always
 
 
 def test_fixed_drafts_per_request_parameters(rng):
@@ -220,8 +221,8 @@ def test_fixed_drafts_per_request_parameters(rng):
     groups = [dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0),
               dict(temperature=1.3, top_k=4, top_p=0.95, min_p=0.05)]
     groups[1]["top_p"], groups[1]["min_p"] = safe_params(rows, 1.3, 4, 0.95, 0.05)
-    args, kw = replicate(rows, tokens, parents, qarg, B_FIXED, rng, kind=kind, chain=True)
-    g = np.arange(B_FIXED) % 2
+    args, kw = replicate(rows, tokens, parents, qarg, 2 * B_FIXED, rng, kind=kind, chain=True)
+    g = np.arange(2 * B_FIXED) % 2
     for k in groups[0]:
         kw[k] = np.array([groups[0][k], groups[1][k]])[g].astype(
             np.int32 if k == "top_k" else np.float32
@@ -235,8 +236,9 @@ def test_fixed_drafts_per_request_parameters(rng):
 @pytest.mark.parametrize("kind", ["dense", "sparse", "none"])
 def test_fixed_drafts_exact_outcomes_wide_vocab(kind, rng):
     """V = 1031 (odd, many SIMD blocks and a tail): a root with two siblings and one grand
-    child; p concentrated enough that the outcome table is well populated."""
-    V, B = 1031, scaled(20_000)
+    child; p concentrated enough that the outcome table is well populated. Outcomes of
+    probability below 2e-3 are pooled per path, and 3e5 copies drawn in chunks."""
+    V, B, chunk = 1031, scaled(300_000), 20_000
     parents = np.array([-1, -1, 0], np.int32)
     rows = (rng.standard_normal((4, V)) * 3.0).astype(np.float32)
     order0 = np.argsort(-rows[0])
@@ -254,11 +256,18 @@ def test_fixed_drafts_exact_outcomes_wide_vocab(kind, rng):
         qarg, q_dense = (ids, vals), sparse_to_dense(ids, vals, V)
     else:
         qarg, q_dense = None, one_hot(tokens, V)
-    expected = tree_outcomes(ref_probs(rows), parents, tokens, q_dense)
-    args, kw = replicate(rows, tokens, parents, qarg, B, rng, kind=kind)
-    res = call_verify(args, kw)
-    check_structure(res, args[1], args[2], kw["parents"], V)
-    assert_outcomes(outcome_counts(res), expected, f"V=1031 {kind}")
+    exact = tree_outcomes(ref_probs(rows), parents, tokens, q_dense)
+    pool = lambda key: key if exact.get(key, 0) > 2e-3 else (key[0], "rest")
+    expected, observed = {}, {}
+    for key, v in exact.items():
+        expected[pool(key)] = expected.get(pool(key), 0.0) + v
+    for start in range(0, B, chunk):
+        args, kw = replicate(rows, tokens, parents, qarg, min(chunk, B - start), rng, kind=kind)
+        res = call_verify(args, kw)
+        check_structure(res, args[1], args[2], kw["parents"], V)
+        for key, c in outcome_counts(res).items():
+            observed[pool(key)] = observed.get(pool(key), 0) + c
+    assert_outcomes(observed, expected, f"V=1031 {kind}")
 
 
 @pytest.mark.usefixtures("restore_threads")
@@ -267,7 +276,8 @@ def test_lone_request_at_a_wide_vocabulary_follows_the_residual(filters, rng):
     """One request per call at V = 40003: its rows are split across the pool's threads
     (max, bound and exact passes, the residual and the draw). The outcome (accepted or
     not, emitted token) follows recursive rejection sampling exactly; tokens of
-    probability below 2e-3 are pooled into one outcome per path."""
+    probability below 2e-3 are pooled into one outcome per path. One call per draw:
+    3e4 draws see 3% of the outcome distribution (1% is seen at small vocabularies)."""
     sf.set_num_threads(2)
     V, n = 40003, scaled(30_000)
     row = rng.standard_normal(V).astype(np.float32)
@@ -295,7 +305,7 @@ def test_lone_request_at_a_wide_vocabulary_follows_the_residual(filters, rng):
         a = int(r.num_accepted[0])
         key = pool((tuple(range(a)), int(r.tokens[0, a])))
         observed[key] = observed.get(key, 0) + 1
-    assert_outcomes(observed, expected, f"lone V={V} {filters}")
+    assert_outcomes(observed, expected, f"lone V={V} {filters}", resolution=0.03)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -448,10 +458,13 @@ def test_random_drafts_emit_target_text(structure, kind, siblings, filters, rng)
     # (a) the first emitted token follows the target's row 0
     assert_samples(tokens[:, 0], p_root, f"{what}: first token")
     # (b) given the prefix, every later token follows the target's row for that prefix
+    # (the fewer requests that get this deep, over up to 89 df, see 8% of the pairs'
+    # joint distribution: the bookkeeping of later tokens; (a) and (c) see 1%)
     depth = int(node_depths(parents).max()) + 1
     for d in range(1, depth + 1):
         m = nacc >= d
-        assert_transitions(tokens[m, d - 1], tokens[m, d], p_trans, f"{what}: token {d}")
+        assert_transitions(tokens[m, d - 1], tokens[m, d], p_trans, f"{what}: token {d}",
+                           resolution=0.08, forced=True)  # deep, few: one bin at times
     # (c) the first child of the root is accepted with probability sum_x min(p(x), q(x))
     first = children_of(parents, len(parents))[-1][0]
     beta = np.minimum(p_root[None], b["q_first"]).sum(axis=1).mean()
@@ -518,7 +531,10 @@ def test_acceptance_decided_from_a_mass_bound_is_exact(kind, case, rng):
                         draft_probs=q, seed=np.arange(batch, dtype=np.uint64) + c * batch,
                         position=3, **params)
         accepted += int(np.asarray(res.num_accepted).sum())
-    assert_rate(accepted, batch * calls, want, f"acceptance ({kind} q, {case})")
+    # 4e4 draws see an absolute error of 0.016 in the rate (0.02 stated); a bound 3%
+    # tighter than it is moves the top_p case's further
+    assert_rate(accepted, batch * calls, want, f"acceptance ({kind} q, {case})",
+                resolution=0.02)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -944,7 +960,7 @@ def test_long_chain_and_wide_tree(method, rng):
         assert p[res.tokens[0, 0]] > 0 and res.tokens[0, 0] not in sib[:-1]
     # Over many seeds (12 siblings, to keep the rows small) the last sibling is accepted
     # with probability p(its token), and the first token follows p.
-    m, V, B = 12, 32, scaled(20_000)
+    m, V, B = 12, 32, scaled(200_000)
     sib = rng.permutation(V)[:m].astype(np.int32)
     logits = np.zeros((m + 1, V), np.float32)
     logits[0, sib[:-1]] = -np.inf
