@@ -128,6 +128,9 @@ class _Stream:
     @staticmethod
     def _check(msg):
         if isinstance(msg, Exception):
+            code = getattr(msg, "code", None)  # a grpc.RpcError's status
+            if callable(code) and getattr(code(), "name", "") == "UNAUTHENTICATED":
+                raise RemoteError(msg.details()) from None  # a setting to fix: said
             raise ConnectionError(str(msg)) from msg
         if msg.WhichOneof("msg") == "error":
             if msg.error.transient:  # the drafter failed, not our settings: try again later

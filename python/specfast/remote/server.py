@@ -273,8 +273,10 @@ class DrafterService(pb_grpc.DrafterServicer):
     def Session(self, request_iterator, context):  # noqa: N802 - gRPC's name
         if self.auth_token is not None and not self._authentic(context):
             log.warning("session refused: authentication failed")
-            yield pb.FromDrafter(error=pb.Error(message="authentication failed"))
-            return
+            # a status, not an Error message: the client may still be sending its hello
+            import grpc
+
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "authentication failed")
         # a reader thread, so that a step that has already arrived cancels the
         # look-ahead it would make stale; it reads one message ahead at most
         # (what a client sends faster waits in gRPC's flow control, not here)
