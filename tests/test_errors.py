@@ -665,8 +665,9 @@ def test_arrays_at_odd_addresses_are_taken():
     np.testing.assert_array_equal(sf.probs(odd(x), top_k=odd(np.int32([1, 2, 3, 4]))),
                                   sf.probs(x, top_k=np.int32([1, 2, 3, 4])))
     tree = np.array([-1, 0, 0, -1], np.int32), np.array([3, 1], np.int32)
-    for got, want in zip(sf.tree_mask(*map(odd, tree), packed=True), sf.tree_mask(*tree, packed=True)):
-        np.testing.assert_array_equal(got, want)
+    want = sf.tree_mask(*tree, packed=True)
+    for got, expected in zip(sf.tree_mask(*map(odd, tree), packed=True), want):
+        np.testing.assert_array_equal(got, expected)
     cache = np.arange(2 * 6 * 4, dtype=np.float32).reshape(2, 6, 4)
     paths = np.array([[0, 1], [-1, -1]], np.int32), np.array([2, 0], np.int32), np.int64([1, 0])
     want = cache.copy()

@@ -2,8 +2,8 @@
 
 Runs only where llama-cpp-python is installed (it compiles llama.cpp, about 12
 minutes, so CI skips it), but for the adapter's own Python, which the first
-tests run on a stand-in for llama_cpp.Llama. llama.cpp's batched forward is numerically different
-from its one-token forward: these tests pin what holds exactly (a cache rolled
+tests run on a stand-in for llama_cpp.Llama. llama.cpp's batched forward is
+numerically different from its one-token forward: these tests pin what holds exactly (a cache rolled
 back and extended again gives the same logits; rows of a batch do not mix) and
 bound what does not.
 """
@@ -63,9 +63,8 @@ def test_a_state_cleared_by_a_newer_one_is_refused():
     instance used as its own draft model, or by two decoders at once) would read
     the other generation's cells, so using it raises."""
     m = stand_in(None)
-    m._epoch = 1
     old = LlamaCppState([5], epoch=1)
-    m._epoch = 2  # what new_state does, besides clearing the cache
+    m._epoch = 2  # what a newer new_state did, besides clearing the cache
     for call in (lambda: m.forward(old, [[1]]), lambda: m.truncate(old, [2]),
                  lambda: m.select(old, [0])):
         with pytest.raises(RuntimeError, match="cleared by a newer new_state"):

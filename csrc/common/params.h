@@ -22,6 +22,13 @@ typedef struct sf_rowparams {
  * context. NULL passes (what may be NULL is checked where it is used). */
 #define SF_MISALIGNED(p) (((uintptr_t)(p) & (sizeof *(p) - 1)) != 0)
 
+/* Whether any of the parameter arrays of p is misaligned: an sf_params or a
+ * CUDA backend's sf_cuda_params, whose arrays have the same names. */
+#define SF_PARAMS_MISALIGNED(p)                                               \
+    (SF_MISALIGNED((p)->temperature) || SF_MISALIGNED((p)->top_k) ||          \
+     SF_MISALIGNED((p)->top_p) || SF_MISALIGNED((p)->min_p) ||                \
+     SF_MISALIGNED((p)->seed) || SF_MISALIGNED((p)->position))
+
 #define SF_PICK(p, field, b) ((p)->field[(p)->n_##field == 1 ? 0 : (b)])
 
 static inline void sf_params_get(const sf_params *p, int64_t b, sf_rowparams *r) {
@@ -49,9 +56,7 @@ static inline sf_status sf_params_check(const sf_params *p, int64_t batch,
     if (!p || !p->temperature || !p->top_k || !p->top_p || !p->min_p ||
         !p->seed || !p->position)
         return SF_ERR_ARGUMENT;
-    if (SF_MISALIGNED(p->temperature) || SF_MISALIGNED(p->top_k) || SF_MISALIGNED(p->top_p) ||
-        SF_MISALIGNED(p->min_p) || SF_MISALIGNED(p->seed) || SF_MISALIGNED(p->position))
-        return SF_ERR_ARGUMENT;
+    if (SF_PARAMS_MISALIGNED(p)) return SF_ERR_ARGUMENT;
     const int64_t n[6] = {p->n_temperature, p->n_top_k, p->n_top_p,
                           p->n_min_p, p->n_seed, p->n_position};
     for (int i = 0; i < 6; i++)

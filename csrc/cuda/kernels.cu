@@ -1437,10 +1437,7 @@ static sf_status sf_cu_launched(cudaError_t e) {
 }
 
 static sf_status sf_cu_check_params(const sf_cuda_params *p, int64_t batch) {
-    if (!p || SF_MISALIGNED(p->temperature) || SF_MISALIGNED(p->top_k) ||
-        SF_MISALIGNED(p->top_p) || SF_MISALIGNED(p->min_p) || SF_MISALIGNED(p->seed) ||
-        SF_MISALIGNED(p->position))
-        return SF_ERR_ARGUMENT;
+    if (!p || SF_PARAMS_MISALIGNED(p)) return SF_ERR_ARGUMENT;
     const void *ptr[6] = {p->temperature, p->top_k, p->top_p, p->min_p, p->seed, p->position};
     const int64_t cnt[6] = {p->n_temperature, p->n_top_k, p->n_top_p, p->n_min_p, p->n_seed,
                             p->n_position};

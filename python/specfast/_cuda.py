@@ -24,10 +24,11 @@ calls can be captured in a CUDA graph, provided that
   tokens -1 (a row of ``probs``: NaN), and its status code is in
   ``out["status"]`` when ``out`` is given.
   ``check=True`` (or ``SPECFAST_CUDA_CHECK=1``) synchronises and raises the
-  exception the CPU backend would raise (during a capture it is refused). Without it, values in device tensors are
-  not read on the host: a seed tensor of negative values is used as its 64 bits
-  (the CPU raises), and an int64 tensor narrowed to int32 (draft tokens, parents,
-  top_k) wraps; with it, both raise as on the CPU.
+  exception the CPU backend would raise (during a capture it is refused).
+  Without it, values in device tensors are not read on the host: a seed tensor
+  of negative values is used as its 64 bits (the CPU raises), and an int64 tensor
+  narrowed to int32 (draft tokens, parents, top_k) wraps; with it, both raise as
+  on the CPU.
 
 Outputs are allocated with torch (its caching allocator is graph-safe), or taken
 from ``out``, a dict of preallocated tensors: ``tokens``, ``num_accepted``,
