@@ -95,6 +95,8 @@ def test_out_tensors_checked_before_any_kernel(kernels, bad, error):
                torch.empty(400, dtype=torch.uint8)[1:]):   # off a 16-byte boundary
         with pytest.raises(ValueError, match="out\\['workspace'\\]"):
             _cuda.verify(*chain(), out={"workspace": ws})
+    with pytest.raises(ValueError, match="holds 80 bytes; this call needs 96"):
+        _cuda.verify(*chain(), out={"workspace": torch.empty(10, dtype=torch.int64)})
     assert kernels.calls == []
 
 

@@ -32,8 +32,8 @@ calls can be captured in a CUDA graph, provided that
 
 Outputs are allocated with torch (its caching allocator is graph-safe), or taken
 from ``out``, a dict of preallocated tensors: ``tokens``, ``num_accepted``,
-``accepted_nodes``, ``status`` and ``workspace`` (bytes, used when it is large
-enough).
+``accepted_nodes``, ``status`` and ``workspace`` (bytes; one too small for the
+call is a ValueError that says how many it needs).
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def _out_dict(out, names):
 
 def _workspace(out, need, dev):
     """``out["workspace"]``, checked to be a contiguous tensor on ``dev`` from a
-    16-byte boundary, when it holds ``need`` bytes; else a new one."""
+    16-byte boundary that holds ``need`` bytes; a new one when none is given."""
     torch = _torch()
     ws = out.get("workspace")
     if ws is None:
@@ -305,8 +305,10 @@ def _workspace(out, need, dev):
         raise ValueError(f"out['workspace'] must be a contiguous tensor on {dev}")
     if ws.data_ptr() % 16:
         raise ValueError("out['workspace'] must start on a 16-byte boundary")
-    if ws.numel() * ws.element_size() < need:
-        return torch.empty(need, dtype=torch.uint8, device=dev)
+    have = ws.numel() * ws.element_size()
+    if have < need:
+        raise ValueError(f"out['workspace'] holds {have} bytes; this call needs {need} "
+                         "(it grows with the draft's nodes, its kind and the vocabulary)")
     return ws
 
 
