@@ -31,6 +31,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <mutex>
 
 #include "../common/params.h"
@@ -1541,21 +1542,43 @@ static int32_t sf_cu_etab_room(const void *kernel, int dtype, int64_t tokens, si
     return (int32_t)(shm / 4);
 }
 
-/* Blocks per request on the current device: one per tile up to
- * SF_CU_CLUSTER, so a row is read by many SMs at once (a lone request too)
- * and each slice is small enough to stage in shared memory; 1 where the
- * device launches no clusters (before sm_90, some MIG and vGPU setups), or
- * when it cannot say. SPECFAST_CUDA_CLUSTER=1..8 lowers the limit (for
- * tuning). */
+/* The largest cluster of verify blocks device `dev` runs, at most
+ * SF_CU_CLUSTER: 1 where it launches none (before sm_90, some MIG and vGPU
+ * setups) or cannot say, fewer than 8 on a MIG slice of few SMs. Asked once
+ * per device (the answer is the hardware's). */
+static int sf_cu_device_cluster(int dev) {
+    enum { DEVICES = 16 };
+    static std::atomic<int> known[DEVICES]; /* 0: not asked yet */
+    if (dev >= 0 && dev < DEVICES && known[dev].load(std::memory_order_relaxed))
+        return known[dev].load(std::memory_order_relaxed);
+    int clusters = 0, most = 1;
+    if (cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev) == cudaSuccess &&
+        clusters) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(SF_CU_CLUSTER);
+        cfg.blockDim = dim3(SF_CU_THREADS);
+        if (cudaOccupancyMaxPotentialClusterSize(&most, (const void *)sf_cu_verify_kernel<SF_F32>,
+                                                 &cfg) != cudaSuccess) {
+            (void)cudaGetLastError(); /* not left for the caller's next check */
+            most = 1;
+        }
+        most = most < 1 ? 1 : most > SF_CU_CLUSTER ? SF_CU_CLUSTER : most;
+    }
+    if (dev >= 0 && dev < DEVICES) known[dev].store(most, std::memory_order_relaxed);
+    return most;
+}
+
+/* Blocks per request on the current device: one per tile up to the largest
+ * cluster it runs, so a row is read by many SMs at once (a lone request too)
+ * and each slice is small enough to stage in shared memory.
+ * SPECFAST_CUDA_CLUSTER=1..8 lowers the limit (for tuning). */
 static int sf_cu_cluster_size(int64_t vocab) {
     const char *env = getenv("SPECFAST_CUDA_CLUSTER");
     int most = env ? atoi(env) : SF_CU_CLUSTER;
     if (most < 1 || most > SF_CU_CLUSTER) most = SF_CU_CLUSTER;
-    int dev = 0, clusters = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev) != cudaSuccess)
-        clusters = 0;
-    if (!clusters) most = 1;
+    int dev = 0;
+    const int device = cudaGetDevice(&dev) == cudaSuccess ? sf_cu_device_cluster(dev) : 1;
+    if (device < most) most = device;
     const int64_t t = (vocab + SF_CU_TILE - 1) / SF_CU_TILE;
     return (int)(t < most ? t : most);
 }

@@ -33,6 +33,7 @@
  *   sm_86 / sm_89 GPU, or a MIG or vGPU setup without clusters). 2 launches
  *   clusters but grants 64 KB, less than any GPU does, so that the host's
  *   fallbacks show without the static shared memory's size (unknown here).
+ *   3 launches clusters of at most 2 blocks (a MIG slice of few SMs).
  *   A launch past a device's limits fails.
  * - A launch runs to its end before cudaLaunchKernelEx returns; streams are
  *   ignored. A block's shared memory, static and dynamic, starts filled with
@@ -599,9 +600,9 @@ inline void run_block(Cluster &c, unsigned rank) {
 }
 
 /* The emulated devices (the header's comment): clusters, opt-in shared memory. */
-struct Device { bool clusters; int shared_optin; };
-inline const Device devices[] = {{true, SF_EMU_SHARED_MAX}, {false, 99 * 1024},
-                                 {true, 64 * 1024}};
+struct Device { bool clusters; int shared_optin; unsigned max_cluster; };
+inline const Device devices[] = {{true, SF_EMU_SHARED_MAX, 8}, {false, 99 * 1024, 1},
+                                 {true, 64 * 1024, 8}, {true, SF_EMU_SHARED_MAX, 2}};
 enum { DEVICES = sizeof devices / sizeof devices[0] };
 
 inline int current_device() {
@@ -641,6 +642,9 @@ inline cudaError_t launch(const cudaLaunchConfig_t &cfg, const void *kernel,
         bad = "cluster size " + std::to_string(csize) + " does not divide the grid (or is past 8)";
     else if (csize > 1 && !dev.clusters)
         bad = "a cluster on a device that launches none";
+    else if (csize > dev.max_cluster)
+        bad = "a cluster of " + std::to_string(csize) + " blocks, the device runs " +
+              std::to_string(dev.max_cluster);
     else if (cfg.dynamicSmemBytes > (size_t)granted ||
              cfg.dynamicSmemBytes > (size_t)dev.shared_optin)
         bad = std::to_string(cfg.dynamicSmemBytes) + " bytes of dynamic shared memory, " +
@@ -845,6 +849,16 @@ inline cudaError_t cudaFuncSetAttribute(const void *kernel, cudaFuncAttribute at
 inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *,
                                                                  int, size_t shm) {
     *blocks = shm <= (size_t)sf_emu::devices[sf_emu::current_device()].shared_optin;
+    return cudaSuccess;
+}
+
+/* The largest cluster the device can run (what the hardware or a MIG slice
+ * allows; the configuration is not modelled). */
+inline cudaError_t cudaOccupancyMaxPotentialClusterSize(int *size, const void *,
+                                                        const cudaLaunchConfig_t *) {
+    const sf_emu::Device &dev = sf_emu::devices[sf_emu::current_device()];
+    if (!dev.clusters) return cudaErrorInvalidValue;
+    *size = (int)dev.max_cluster;
     return cudaSuccess;
 }
 
