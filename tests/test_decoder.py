@@ -389,10 +389,39 @@ def test_draft_length_controller():
     assert c.choose(0, 100) == 8
     assert c.choose(0, 3) == 3  # never past the tokens left
     assert c.choose(0, 100, available=5) == 5  # nor past the draft
-    ks = [c.choose(1, 100) for _ in range(16)]
-    # off, probing with probe_k after 4 skipped drafts, then after 8 (a failed probe backs off)
-    assert [j for j, k in enumerate(ks) if k] == [3, 11] and max(ks) == c.probe_k
     assert DraftLength(fixed=5).choose(0, 100) == 5
+
+    def drafted(c, i, accepted, steps=12):
+        ks = []
+        for _ in range(steps):
+            ks.append(c.choose(i, 100))
+            if ks[-1]:
+                c.observe(i, ks[-1], accepted(ks[-1]))
+        return ks
+
+    # off, probing with probe_k after 4 skipped drafts, then after 8 (a failed probe backs off)
+    ks = drafted(c, 1, lambda k: 0, 16)
+    assert [j for j, k in enumerate(ks) if k] == [3, 11] and max(ks) == c.probe_k
+    c.start(2)
+    for _ in range(30):
+        c.observe(1, 3, 0)
+    ks = drafted(c, 1, lambda k: int(k == 1))  # probes pass, longer drafts fail
+    assert ks[:8] == [0, 0, 0, 1, 0, 0, 0, 1]  # a probe that passes does not back off
+
+
+def test_one_token_drafts_keep_what_longer_ones_said_of_q():
+    """q (the next token accepted after one that was) is learned from drafts of 2 or
+    more tokens; drafts of one say nothing of it and leave it as it was."""
+    c = DraftLength()
+    c.start(1)
+    for _ in range(20):
+        c.observe(0, 8, 8)
+    q = c.acceptance(0)[1]
+    for _ in range(40):
+        c.observe(0, 1, 1)
+    assert c.acceptance(0)[1] == q > 0.95
+    c.observe(0, 8, 1)  # then one that fails at its second token weighs as one
+    assert c.acceptance(0)[1] > 0.85
 
 
 def test_draft_length_is_not_pinned_by_noise():

@@ -38,17 +38,58 @@ def test_ngram_falls_back_to_shorter_ngrams_and_to_nothing():
         NgramDrafter(max_ngram=1, min_ngram=2)
 
 
+@pytest.mark.parametrize("branches", [1, 3])
+def test_ngram_copy_runs_on_over_a_repeating_suffix(branches):
+    """A run or a repeated pattern matches its latest occurrence, a period back: the
+    draft goes on repeating it for all k tokens (it used to stop at the context's
+    end, proposing one token of a run)."""
+    for ctx, want in (([0, 7] + [32] * 40, [32] * 8), ([1, 2] * 10, [1, 2] * 4),
+                      ([9, 4, 5, 6, 4, 5, 6], [4, 5, 6, 4, 5, 6, 4, 5])):
+        d = propose(NgramDrafter(branches=branches), ctx, 8)
+        assert d.chain().tokens == want
+
+
+def test_ngram_contexts_as_arrays_give_the_lists_tokens():
+    ctx = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 1, 4, 1, 5]
+    drafts = {}
+    for kind in (list, np.array):
+        d = NgramDrafter()
+        d.start([kind(ctx)], [Sampling()])
+        first = d.propose([kind(ctx)], [4], [Sampling()])[0].tokens
+        later = ctx + first[:2] + [7]  # two accepted, then the target parts (a resync)
+        drafts[kind] = first, d.propose([kind(later)], [4], [Sampling()])[0].tokens
+        assert all(type(t) is int for t in drafts[kind][0] + drafts[kind][1])
+    assert drafts[list] == drafts[np.array] and drafts[list][0] == [9, 2, 6, 5]
+
+
+def test_ngram_calls_are_checked():
+    d = NgramDrafter()
+    with pytest.raises(RuntimeError, match="start"):
+        d.propose([[1, 2, 1]], [2], [Sampling()])
+    d.start([[1, 2, 1], [3, 3]], [Sampling()] * 2)
+    for ks, error, what in (([2], ValueError, "1 ks for a batch of 2"),
+                            ([2, -1], ValueError, r"ks\[1\] must be >= 0"),
+                            ([2.5, 1], TypeError, r"ks\[0\] must be an int")):
+        with pytest.raises(error, match=what):
+            d.propose([[1, 2, 1], [3, 3]], ks, [Sampling()] * 2)
+    with pytest.raises(ValueError, match="1 contexts for a batch of 2"):
+        d.propose([[1, 2, 1]], [2], [Sampling()])
+    with pytest.raises(ValueError, match=r"lengths\[0\] must be >= 0"):
+        d.rollback([-5, 2])
+
+
 def test_ngram_index_grows_incrementally_and_selects_rows():
     d = NgramDrafter()
     ctxs = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 4, 5]]
     d.start(ctxs, [Sampling()] * 2)
     assert [p.tokens for p in d.propose(ctxs, [2, 2], [Sampling()] * 2)] == [[3, 1], [4, 5]]
     ctxs[0] += [9, 1, 2]
-    assert d.propose(ctxs[:1], [1], [Sampling()])[0].tokens == [3]  # the earliest (1, 2)
+    assert d.propose(ctxs, [1, 0], [Sampling()] * 2)[0].tokens == [3]  # the earliest (1, 2)
     ctxs[0] += [9]
-    assert d.propose(ctxs[:1], [2], [Sampling()])[0].tokens == [1, 2]  # (2, 9) grew in
+    assert d.propose(ctxs, [2, 0], [Sampling()] * 2)[0].tokens == [1, 2]  # (2, 9) grew in
     d.select([1])
-    assert d.propose(ctxs[1:], [3], [Sampling()])[0].tokens == [4, 5]  # all that follows
+    # the match (4, 5, 4, 5) ends 2 back: the copy runs on over what it copied
+    assert d.propose(ctxs[1:], [3], [Sampling()])[0].tokens == [4, 5, 4]
 
 
 def test_ngram_tree_leads_with_the_source_a_chain_resumes():

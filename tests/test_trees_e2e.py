@@ -123,8 +123,18 @@ def test_ngram_tree_random_contexts_are_valid_trees():
         if draft.tokens:
             check_tree(draft, k)
         for i in range(len(draft.tokens)):  # each path followed the last token earlier on
-            seq = [ctx[-1]] + [draft.tokens[n] for n in path_to(draft.parents, i)]
-            assert any(ctx[s:s + len(seq)] == seq for s in range(len(ctx) - 1))
+            path = [draft.tokens[n] for n in path_to(draft.parents, i)]
+            assert any(ctx[s] == ctx[-1] and repeated(ctx, s + 1, len(path)) == path
+                       for s in range(len(ctx) - 1))
+
+
+def repeated(ctx, start, n):
+    """n tokens of the text from ``start`` on, where the text past the context
+    repeats with the period len(ctx) - start (a copy from there running on)."""
+    text, period = list(ctx), len(ctx) - start
+    while len(text) < start + n:
+        text.append(text[-period])
+    return text[start:start + n]
 
 
 @pytest.mark.parametrize("k", ["auto", 3, 8], ids=lambda k: f"k={k}")

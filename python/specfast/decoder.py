@@ -153,12 +153,13 @@ class Generation:
 class _Request:
     """One request's acceptance statistics (per confidence bucket) and probe state."""
 
-    __slots__ = ("stats", "skipped", "interval", "hits", "expected")
+    __slots__ = ("stats", "skipped", "interval", "probing", "hits", "expected")
 
     def __init__(self, probe_every):
         self.stats = {}  # bucket -> [first ok, first failed, next ok, next failed]
         self.skipped = 0
         self.interval = probe_every
+        self.probing = False  # the last choice was a probe
         self.hits = 0.0  # first draft tokens accepted, all buckets (decayed)
         self.expected = 0.0  # what the buckets' priors expected of the same drafts
 
@@ -399,10 +400,11 @@ class DraftLength:
             req.skipped += 1
             if req.skipped >= req.interval:
                 req.skipped = 0
-                req.interval = min(2 * req.interval, self.probe_max)
+                req.probing = True  # observe doubles the interval if it fails
                 return min(self.probe_k, cap)
             return 0
         req.skipped = 0
+        req.probing = False
         req.interval = self.probe_every
         return best_k
 
@@ -416,10 +418,15 @@ class DraftLength:
         req.expected = req.expected * d + self._prior(self.bucket(match))
         st[0] = st[0] * d + (accepted >= 1)
         st[1] = st[1] * d + (accepted == 0)
-        if accepted >= 1:
-            # positions 2..drafted were verified while the previous one passed
+        if accepted >= 1 and drafted >= 2:
+            # positions 2..drafted were verified while the previous one passed (a
+            # one-token draft says nothing of q, and must not fade what did)
             st[2] = st[2] * d + (accepted - 1)
             st[3] = st[3] * d + (1 if accepted < drafted else 0)
+        if req.probing:
+            req.probing = False
+            if accepted == 0:
+                req.interval = min(2 * req.interval, self.probe_max)
 
     def observe_target(self, width: int, seconds: float) -> None:
         t = self._times.get(width)

@@ -40,6 +40,21 @@ def check_arg(owner: str, name: str, value, lo: float, hi: float = float("inf"),
     return value
 
 
+def check_calls(owner: str, batch, contexts, values, name: str) -> None:
+    """A RuntimeError before ``start`` (``batch`` None), else a TypeError /
+    ValueError unless ``values`` holds one int >= 0 per request of the batch
+    (``contexts``, when given, as many)."""
+    if batch is None:
+        raise RuntimeError(f"{owner}: call start before propose or rollback")
+    if contexts is not None and len(contexts) != batch:
+        raise ValueError(f"{owner}: {len(contexts)} contexts for a batch of {batch} "
+                         "(start, less the requests select dropped)")
+    if len(values) != batch:
+        raise ValueError(f"{owner}: {len(values)} {name} for a batch of {batch}")
+    for i, v in enumerate(values):
+        check_arg(owner, f"{name}[{i}]", v, 0, integer=True)
+
+
 def draft_seed(seed: int, method: str) -> int:
     """The seed a drafter samples with: the target's own in coupled mode, an
     independent one in rejection mode."""
@@ -214,7 +229,7 @@ class NgramDrafter(Drafter):
         self.resync_window = resync
         if branches > 1:
             self.name = f"ngram-tree{branches}"
-        self._index: list = []
+        self._index: list | None = None  # per request, from start
         self._indexed: list = []  # n-grams ending before this position are indexed
         self._tokens: list = []  # the tokens they were read from
         # (source start or -1, context length) of the last chain, after the one
@@ -251,9 +266,13 @@ class NgramDrafter(Drafter):
             self._tokens[i].extend(ctx[len(self._tokens[i]):end])
             self._indexed[i] = end
 
+    def _batch(self):
+        return None if self._index is None else len(self._index)
+
     def rollback(self, lengths):
         """Forgets n-grams past the first ``lengths[i]`` tokens (a server drafting
         ahead indexes tokens that verification may reject)."""
+        check_calls("NgramDrafter", self._batch(), None, lengths, "lengths")
         for i, n_keep in enumerate(lengths):
             keep = max(0, min(self._indexed[i], n_keep - 1))
             toks, index = self._tokens[i], self._index[i]
@@ -285,6 +304,18 @@ class NgramDrafter(Drafter):
             return best, best_len
         return -1, 0
 
+    @staticmethod
+    def _continuation(ctx, start, k):
+        """k tokens copied from ``ctx[start:]`` on, the copy running on past the
+        context's end over what it has copied (as LZ77 copies an overlapping
+        match): a suffix that matched d tokens back says the text repeats with
+        period d, so a run or a repeated line drafts k tokens, not d."""
+        out = [int(t) for t in ctx[start:start + k]]
+        n = len(ctx)
+        while len(out) < k and start < n:
+            out.append(out[start + len(out) - n])
+        return out
+
     def _extend(self, ctx, e, n):
         """How far the match of the suffix ending at e reaches back (n known)."""
         last, cap = len(ctx) - 1, self.max_match
@@ -309,7 +340,7 @@ class NgramDrafter(Drafter):
         s, n = self._copy[i][-1]
         a = len(ctx) - 1 - n
         p = s + a
-        if a < 0 or p >= n or ctx[n:n + a] != ctx[s:p]:
+        if a < 0 or p >= n or list(ctx[n:n + a]) != list(ctx[s:p]):
             return -1  # not what the chain proposed
         last = ctx[-1]
         for q in range(p, min(p + 1 + self.resync_window, n)):
@@ -364,7 +395,7 @@ class NgramDrafter(Drafter):
         nodes, weight, children = [], [], {}  # node: (token, parent, depth)
         for (e, _), w_e in zip(found, weights):
             parent = -1
-            for depth, tok in enumerate(ctx[e + 1:e + 1 + k]):
+            for depth, tok in enumerate(self._continuation(ctx, e + 1, k)):
                 node = children.get((parent, tok))
                 if node is None:
                     node = children[(parent, tok)] = len(nodes)
@@ -378,6 +409,7 @@ class NgramDrafter(Drafter):
         return _best_tree(tokens, parents, score, depths, k, match)
 
     def propose(self, contexts, ks, sampling):
+        check_calls("NgramDrafter", self._batch(), contexts, ks, "ks")
         out = []
         for i, (ctx, k) in enumerate(zip(contexts, ks)):
             if k > 0 and len(ctx) > self.min_ngram:
@@ -391,7 +423,7 @@ class NgramDrafter(Drafter):
                     r = self.resync(i, ctx)
                     if r >= 0:
                         start, n = r, self.RESYNC_MATCH
-                tokens = list(ctx[start:start + k]) if start >= 0 else []
+                tokens = self._continuation(ctx, start, k) if start >= 0 else []
                 self._set_copy(i, start if tokens else -1, len(ctx))
                 if tokens:
                     out.append(Draft(tokens, None, n))
@@ -446,7 +478,11 @@ class ModelDrafter(Drafter):
         self._fed = [0] * len(contexts)
         self._peak = 0  # memory() reports the generation's own peak, as the target's
 
+    def _batch(self):
+        return None if self._state is None else len(self._fed)
+
     def propose(self, contexts, ks, sampling):
+        check_calls("ModelDrafter", self._batch(), contexts, ks, "ks")
         m = self.model
         batch = len(contexts)
         limit = getattr(m, "max_positions", None)
@@ -622,8 +658,7 @@ class ModelDrafter(Drafter):
         return q
 
     def rollback(self, lengths):
-        if self._state is None:
-            return
+        check_calls("ModelDrafter", self._batch(), None, lengths, "lengths")
         keep = [min(f, n) for f, n in zip(self._fed, lengths)]
         self.model.truncate(self._state, keep)
         self._fed = keep
