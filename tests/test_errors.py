@@ -846,3 +846,54 @@ def test_c_entries_refuse_sizes_whose_extent_wraps():
     lg = ffi.new("sf_logits *", (buf, 0, 3, 8, 2**62))
     assert L.sf_sample(lg, params, 0, out_tok, err) == L.SF_ERR_SHAPE
     assert L.sf_probs(lg, params, ffi.cast("float *", buf), err) == L.SF_ERR_SHAPE
+
+
+def test_a_library_variable_naming_another_library_is_an_import_error(monkeypatch):
+    """$SPECFAST_LIBRARY naming a library that is not specfast's (no version symbol)
+    is the ImportError of a missing one, which says the variable chose it; the CUDA
+    library's variable likewise gives the NotImplementedError of a build without it."""
+    import subprocess
+    import sys
+    env = dict(__import__("os").environ, SPECFAST_LIBRARY="libm.so.6")
+    r = subprocess.run([sys.executable, "-c", "import specfast"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "AttributeError" not in r.stderr
+    assert "ImportError: specfast: cannot load" in r.stderr
+    assert "SPECFAST_LIBRARY names it" in r.stderr
+    import importlib
+    from specfast import _cuda
+    cpu_library = importlib.import_module("specfast._lib")._library_path()
+    monkeypatch.setenv("SPECFAST_CUDA_LIBRARY", cpu_library)
+    _cuda.lib.cache_clear()
+    try:
+        with pytest.raises(NotImplementedError, match="SPECFAST_CUDA_LIBRARY names it"):
+            _cuda.lib()
+    finally:
+        _cuda.lib.cache_clear()
+
+
+def test_torch_entry_points_without_torch_name_what_to_install():
+    """HFModel and the CUDA backend, called where torch is not installed, raise an
+    ImportError that says what to install (not torch's bare ModuleNotFoundError)."""
+    import subprocess
+    import sys
+    code = """if True:
+        import sys
+        sys.modules["torch"] = None  # as if torch were not installed
+        import numpy as np
+        import specfast.cuda
+        from specfast.adapters.hf import HFModel
+        for call in (lambda: HFModel(object()),
+                     lambda: specfast.cuda.verify(np.zeros((2, 4), np.float32),
+                                                  np.array([1], np.int32), [1])):
+            try:
+                call()
+            except ImportError as e:
+                print(e)
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and "pip install 'specfast[hf]'" in lines[0]
+    assert "pip install torch" in lines[1]

@@ -255,8 +255,11 @@ def _logits(x, name="target_logits"):
 
 
 def _torch():
-    import torch
-
+    try:
+        import torch
+    except ImportError as exc:  # the CUDA backend called without torch installed
+        raise ImportError(f"specfast's CUDA backend works on torch tensors: pip install "
+                          f"torch ({exc})") from exc
     return torch
 
 

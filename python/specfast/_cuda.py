@@ -49,7 +49,7 @@ from ._cdef import CDEF
 from ._api import (_BF16_SUM_SLACK, _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array,
                    _as_float, _first_bad_param, _is_int, _method, _param_detail, _scalar,
                    _strided, _torch)
-from ._lib import library_path, open_library
+from ._lib import fix_for, library_path, open_library
 
 CUDA_CDEF = """
 typedef struct sf_cuda_params {
@@ -83,12 +83,13 @@ ffi.cdef(CDEF + CUDA_CDEF)
 @functools.cache
 def lib():
     """The loaded CUDA library; raises NotImplementedError when this build has none."""
+    fix = fix_for("SPECFAST_CUDA_LIBRARY", "reinstall with a CUDA compiler on the PATH, or "
+                  "with `pip install . -Ccmake.define.SPECFAST_CUDA=ON`")
     return open_library(
         ffi, library_path("SPECFAST_CUDA_LIBRARY", "libspecfast_cuda.so"), "sf_cuda_version",
         lambda path, exc: NotImplementedError(
             f"specfast: CUDA tensors need the CUDA backend, which this installation lacks "
-            f"({path!r}: {exc}); reinstall with a CUDA compiler on the PATH, or with "
-            "`pip install . -Ccmake.define.SPECFAST_CUDA=ON`"))
+            f"({path!r}: {exc}); {fix}"), fix)
 
 
 def is_cuda(x) -> bool:

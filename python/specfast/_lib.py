@@ -31,21 +31,29 @@ def _library_path() -> str:
     return library_path("SPECFAST_LIBRARY", _NAMES.get(sys.platform, "libspecfast.so"))
 
 
-def open_library(ffi_, path: str, version: str, missing):
+def open_library(ffi_, path: str, version: str, missing, fix: str = "reinstall specfast"):
     """dlopen `path` and check that its `version` function returns this
     package's version. `missing(path, exc)` builds the exception raised when it
-    cannot be loaded."""
+    cannot be loaded or is another library (no `version` function); `fix` ends
+    the message of a library of another version."""
     try:
         handle = ffi_.dlopen(path)
-    except OSError as exc:
+        found = getattr(handle, version)()
+    except (OSError, AttributeError) as exc:
         raise missing(path, exc) from None
-    found = getattr(handle, version)()
     if found != VERSION_NUMBER:
         raise ImportError(
             f"specfast: the library at {path!r} is version {found}, "
-            f"the Python package expects {VERSION_NUMBER}; reinstall specfast"
+            f"the Python package expects {VERSION_NUMBER}; {fix}"
         )
     return handle
+
+
+def fix_for(env: str, default: str) -> str:
+    """What to do about a library that would not do: about $`env` when it chose it."""
+    if os.environ.get(env):
+        return f"{env} names it: unset {env}, or point it at the right library"
+    return default
 
 
 @functools.cache
@@ -55,11 +63,11 @@ def lib():
     if simd not in ("", "scalar", "avx2", "avx512"):  # the core ignores other values
         warnings.warn(f"SPECFAST_SIMD={simd!r} is not scalar, avx2 or avx512: ignored",
                       RuntimeWarning, stacklevel=2)
+    fix = fix_for("SPECFAST_LIBRARY", "reinstall the package with `pip install .`")
     return open_library(
         ffi, _library_path(), "sf_version",
         lambda path, exc: ImportError(
-            f"specfast: cannot load its compiled library {path!r} ({exc}); "
-            "reinstall the package with `pip install .`"))
+            f"specfast: cannot load its compiled library {path!r} ({exc}); {fix}"), fix)
 
 
 # The calls whose error index counts rows of logits; the others count requests.

@@ -33,6 +33,18 @@ import numpy as np
 from .._tree import kv_compact, tree_mask
 from .._api import _is_int
 
+
+def _needs_hf():
+    """torch, once torch and transformers are known to be installed."""
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"HFModel needs torch and transformers: pip install "
+                          f"'specfast[hf]' ({exc})") from exc
+    return torch
+
+
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -85,9 +97,7 @@ class HFModel:
     """
 
     def __init__(self, model, tokenizer=None, *, chat: bool = True, name: str | None = None):
-        import torch
-
-        self.torch = torch
+        self.torch = _needs_hf()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.chat = chat
@@ -146,7 +156,7 @@ class HFModel:
 
         GGUF loading needs the ``gguf`` and ``accelerate`` packages.
         """
-        import torch
+        torch = _needs_hf()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if gguf_file is None and str(path).endswith(".gguf"):
