@@ -28,12 +28,13 @@ if(NOT _sf_cuda STREQUAL "OFF")
 endif()
 
 if(_sf_cuda_build)
-  # Architectures: sm_90 (H100 / H200) as native code, plus compute_90 PTX
-  # that the driver JIT-compiles for newer GPUs (Blackwell and later).
-  # Older GPUs are not targets; override with -DCMAKE_CUDA_ARCHITECTURES=...
-  # (e.g. "80-real;90-real;90-virtual") when they are.
+  # Architectures: native code for sm_80 (A100, and sm_86 / sm_89 GPUs, which
+  # run sm_80 code: one block per request, no clusters) and sm_90 (H100 /
+  # H200: clusters), plus compute_90 PTX that the driver compiles for newer
+  # GPUs (Blackwell and later). -DCMAKE_CUDA_ARCHITECTURES=... overrides it
+  # (90-real alone halves the build).
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-    set(CMAKE_CUDA_ARCHITECTURES "90-real;90-virtual")
+    set(CMAKE_CUDA_ARCHITECTURES "80-real;90-real;90-virtual")
   endif()
   enable_language(CUDA)
   set(CMAKE_CUDA_STANDARD 17)

@@ -258,16 +258,17 @@ def test_probs_matches_cpu(vocab, dtype, ties, rng):
 
 
 @pytest.mark.skipif(not EMULATED, reason="the emulator's devices (tests/cuda_emu)")
-@pytest.mark.parametrize("device", [1, 2, 3],
-                         ids=["no-clusters-99KB", "clusters-64KB", "clusters-of-2"])
+@pytest.mark.parametrize("device", [1, 2, 3, 4], ids=["no-clusters-99KB", "clusters-64KB",
+                                                      "clusters-of-2", "sm80-code"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [4099, 32000, 131072], ids=lambda v: f"V{v}")
 def test_devices_with_fewer_resources_match_cpu(vocab, dtype, device, rng, monkeypatch):
     """Where the device launches no clusters (one block per request), runs clusters of
-    at most 2 blocks (a small MIG slice) or grants a block less shared memory (slices
-    read from global memory, no e table), every kernel still runs and agrees with the
-    CPU backend; the emulator refuses a launch past the device's limits, as the GPU
-    does."""
+    at most 2 blocks (a small MIG slice), runs code built for sm_80 (no cluster paths:
+    one block per request) or grants a block less shared memory (slices read from
+    global memory, no e table), every kernel still runs and agrees with the CPU
+    backend; the emulator refuses a launch past the device's limits, as the GPU does
+    (or, for sm_80 code in clusters, would combine nothing)."""
     monkeypatch.setenv("SPECFAST_CUDA_EMU_DEVICE", str(device))
     for method in METHODS:
         for kind in KINDS:

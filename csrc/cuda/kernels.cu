@@ -1544,16 +1544,20 @@ static int32_t sf_cu_etab_room(const void *kernel, int dtype, int64_t tokens, si
 
 /* The largest cluster of verify blocks device `dev` runs, at most
  * SF_CU_CLUSTER: 1 where it launches none (before sm_90, some MIG and vGPU
- * setups) or cannot say, fewer than 8 on a MIG slice of few SMs. Asked once
- * per device (the answer is the hardware's). */
+ * setups), where the code it runs was built for an older GPU (sm_80 PTX that
+ * the driver compiled for it: no cluster paths, SF_CU_CLUSTERS) or where it
+ * cannot say; fewer than 8 on a MIG slice of few SMs. Asked once per device
+ * (the answer is the hardware's and the build's). */
 static int sf_cu_device_cluster(int dev) {
     enum { DEVICES = 16 };
     static std::atomic<int> known[DEVICES]; /* 0: not asked yet */
     if (dev >= 0 && dev < DEVICES && known[dev].load(std::memory_order_relaxed))
         return known[dev].load(std::memory_order_relaxed);
     int clusters = 0, most = 1;
+    cudaFuncAttributes fa;
     if (cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev) == cudaSuccess &&
-        clusters) {
+        clusters && cudaFuncGetAttributes(&fa, (const void *)sf_cu_verify_kernel<SF_F32>) ==
+                        cudaSuccess && fa.ptxVersion >= 90) {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(SF_CU_CLUSTER);
         cfg.blockDim = dim3(SF_CU_THREADS);

@@ -33,7 +33,10 @@
  *   sm_86 / sm_89 GPU, or a MIG or vGPU setup without clusters). 2 launches
  *   clusters but grants 64 KB, less than any GPU does, so that the host's
  *   fallbacks show without the static shared memory's size (unknown here).
- *   3 launches clusters of at most 2 blocks (a MIG slice of few SMs).
+ *   3 launches clusters of at most 2 blocks (a MIG slice of few SMs). 4
+ *   launches clusters but runs the kernels from code built for sm_80 (an
+ *   sm_80 build's PTX compiled by the driver for a Hopper GPU), which has
+ *   no cluster paths: a cluster launch there would combine nothing.
  *   A launch past a device's limits fails.
  * - A launch runs to its end before cudaLaunchKernelEx returns; streams are
  *   ignored. A block's shared memory, static and dynamic, starts filled with
@@ -118,7 +121,7 @@ enum cudaFuncAttribute {
     cudaFuncAttributePreferredSharedMemoryCarveout = 9,
 };
 enum { cudaSharedmemCarveoutMaxShared = 100 };
-struct cudaFuncAttributes { size_t sharedSizeBytes; int maxThreadsPerBlock; };
+struct cudaFuncAttributes { size_t sharedSizeBytes; int maxThreadsPerBlock, ptxVersion; };
 
 enum cudaDeviceAttr {
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
@@ -600,9 +603,10 @@ inline void run_block(Cluster &c, unsigned rank) {
 }
 
 /* The emulated devices (the header's comment): clusters, opt-in shared memory. */
-struct Device { bool clusters; int shared_optin; unsigned max_cluster; };
-inline const Device devices[] = {{true, SF_EMU_SHARED_MAX, 8}, {false, 99 * 1024, 1},
-                                 {true, 64 * 1024, 8}, {true, SF_EMU_SHARED_MAX, 2}};
+struct Device { bool clusters; int shared_optin; unsigned max_cluster; int ptx; };
+inline const Device devices[] = {
+    {true, SF_EMU_SHARED_MAX, 8, 90}, {false, 99 * 1024, 1, 90}, {true, 64 * 1024, 8, 90},
+    {true, SF_EMU_SHARED_MAX, 2, 90}, {true, SF_EMU_SHARED_MAX, 8, 80}};
 enum { DEVICES = sizeof devices / sizeof devices[0] };
 
 inline int current_device() {
@@ -642,6 +646,9 @@ inline cudaError_t launch(const cudaLaunchConfig_t &cfg, const void *kernel,
         bad = "cluster size " + std::to_string(csize) + " does not divide the grid (or is past 8)";
     else if (csize > 1 && !dev.clusters)
         bad = "a cluster on a device that launches none";
+    else if (csize > 1 && dev.ptx < 90)
+        bad = "a cluster launch of code built for sm_" + std::to_string(dev.ptx) +
+              ", which has no cluster paths";
     else if (csize > dev.max_cluster)
         bad = "a cluster of " + std::to_string(csize) + " blocks, the device runs " +
               std::to_string(dev.max_cluster);
@@ -829,6 +836,7 @@ inline const char *cudaGetErrorString(cudaError_t e) {
 inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *fa, const void *) {
     fa->sharedSizeBytes = 0; /* unknown here: only the dynamic part is checked */
     fa->maxThreadsPerBlock = 1024;
+    fa->ptxVersion = sf_emu::devices[sf_emu::current_device()].ptx;
     return cudaSuccess;
 }
 
