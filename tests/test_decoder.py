@@ -831,6 +831,25 @@ def test_opt_positions_are_known_up_front():
         dec.generate(list(range(1, 21)), 14)
 
 
+def test_positions_the_rows_share_are_counted_up_front():
+    """A target whose rows share a pool of positions (llama.cpp's n_ctx) refuses a
+    batch that would outgrow it before the first forward (it failed mid-run)."""
+    opt = HFModel(transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=48, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4,
+        max_position_embeddings=32, word_embed_proj_dim=32)))
+    opt.eos_token_ids = []
+    opt.max_batch_positions = 40
+    dec = SpeculativeDecoder(opt, NgramDrafter())
+    prompts = [list(range(1, 11)), list(range(5, 15))]
+    assert [len(g.tokens) for g in dec.generate(prompts, 11)] == [11, 11]  # 2 x (10 + 10)
+    forward = opt.forward
+    opt.forward = lambda *a, **kw: pytest.fail("a forward before the check")
+    with pytest.raises(ValueError, match="share 40 positions: 2 prompts of 20 tokens with 12 "
+                                         "new tokens each need 42"):
+        dec.generate(prompts, 12)
+    opt.forward = forward
+
+
 def test_a_draft_model_with_fewer_positions_stops_drafting_there():
     """A draft model with fewer learned positions than the target drafts up to
     its last one (it raised mid-generation); the target decodes on, output unchanged."""

@@ -632,6 +632,12 @@ class SpeculativeDecoder:
             raise ValueError(f"{target.name} takes {limit} positions: a prompt of "
                              f"{max(n_prompt)} tokens leaves room for "
                              f"{max(0, limit + 1 - max(n_prompt))} new ones")
+        pool = getattr(target, "max_batch_positions", None)  # cells the rows share
+        if pool is not None and sum(n + max_new - 1 for n in n_prompt) > pool:
+            raise ValueError(f"{target.name}'s rows share {pool} positions: {batch} prompts "
+                             f"of {sum(n_prompt)} tokens with {max_new} new tokens each need "
+                             f"{sum(n + max_new - 1 for n in n_prompt)} (raise n_ctx, or "
+                             "decode fewer prompts at once)")
         eos_ids = set(target.eos_token_ids) if eos else set()
         metrics = [Metrics(prompt_tokens=n) for n in n_prompt]
         total = Metrics(prompt_tokens=sum(n_prompt))

@@ -45,7 +45,8 @@ class LlamaCppModel:
         The .gguf file.
     n_ctx : int
         KV cache slots shared by all rows of a batch (prompt, generated and
-        drafted tokens together).
+        drafted tokens together): the decoder refuses a batch whose prompts and
+        ``max_new_tokens`` could outgrow it before it starts.
     n_seq_max : int
         The most requests in one batch.
     n_threads : int or None
@@ -90,7 +91,8 @@ class LlamaCppModel:
         vocab = lc.llama_model_get_vocab(self.llm.model)
         self.eos_token_ids = [t for t in range(self.vocab_size) if lc.llama_vocab_is_eog(vocab, t)]
         self._n_ctx = n_ctx
-        self.max_positions = n_ctx  # one row alone; rows share the n_ctx cells
+        self.max_positions = n_ctx  # one row alone
+        self.max_batch_positions = n_ctx  # the rows together: they share the n_ctx cells
         try:  # read once: kv_bytes runs every decoding step
             self._kv_per_token = _kv_bytes_per_token(self.llm.metadata)
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
