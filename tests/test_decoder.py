@@ -377,6 +377,55 @@ def test_metrics_add_up(target):
     assert all(g.metrics.t_total > 0 for g in dec.generate(PROMPTS[:2], 0))
 
 
+def test_a_padded_forward_is_the_unpadded_one(target):
+    """forward(pad_to=...) computes extra tokens after every row's and drops them:
+    the logits, the lengths and the cache are those of the unpadded step (ragged
+    rows, a tree row, a step after keep_paths)."""
+    def steps(pad):
+        st = target.new_state(2)
+        target.forward(st, [[1, 2, 3, 4, 5], [6, 7, 8]], all_logits=False)
+        out = target.forward(st, [[9, 10, 11], [12]], pad_to=pad)
+        target.truncate(st, [6, 4])
+        out += target.forward(st, [[13, 14, 15], [16, 17, 18]], trees=[[-1, -1], [-1, 0]],
+                              pad_to=pad)
+        target.keep_paths(st, np.array([[1, -1], [0, 1]]), np.array([1, 2]))
+        target.truncate(st, [8, 7])
+        out += target.forward(st, [[19], [20, 21]], pad_to=pad)
+        return [o.numpy() for o in out], list(st.lengths), st.slots, st.cache.get_seq_length()
+
+    want = steps(0)
+    for pad in (4, 6):
+        got = steps(pad)
+        assert got[1:] == want[1:]
+        for a, b in zip(got[0], want[0]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_step_is_computed_at_the_fastest_width_measured():
+    """Where the target can widen a step, each width of w .. w + pad_max is tried
+    once, then the fastest computes it, and k is chosen from those costs."""
+    c = DraftLength(max_k=8, pad_max=3)
+    c.start(1)
+    assert c.compute_width(2) == 2  # pad 0 until the decoder says the target pads
+    c.pad = c.pad_max
+    seconds = {1: 0.06, 2: 0.11, 3: 0.13, 4: 0.09, 5: 0.09, 6: 0.10, 7: 0.12, 8: 0.095, 9: 0.11,
+               10: 0.11, 11: 0.13, 12: 0.12}
+    for _ in range(3):
+        c.observe_target(1, seconds[1])
+    tried = []
+    for _ in range(5):
+        w = c.compute_width(2)
+        tried.append(w)
+        c.observe_target(w, seconds[w])
+    assert tried == [2, 3, 4, 5, 4] and c.compute_width(1) == 1
+    for w in range(6, 13):
+        c.observe_target(w, seconds[w])
+    assert c.compute_width(6) == 8 and c.compute_width(9) == 9
+    costs = c._forward_costs()  # k is chosen from what a step of k + 1 costs widened
+    assert costs[1] == 0.06 and costs[2] == costs[3] == costs[4] == 0.09
+    assert costs[6] == costs[7] == 0.095
+
+
 def test_draft_length_controller():
     c = DraftLength(max_k=8, probe_every=4)
     c.start(2)

@@ -211,15 +211,19 @@ class DraftLength:
     probe_every, probe_max, probe_k : int
         While drafting does not pay: skipped drafts before the first probe,
         the most the interval doubles to, and the probe's draft length.
+    pad_max : int
+        The most tokens a drafting step may be widened by, where the target
+        computes a wider step (``forward(pad_to=...)``) and a wider one was
+        measured faster (:meth:`compute_width`); 0: never.
     """
 
     def __init__(self, fixed: int | None = None, max_k: int = 10, *, prior_first: float = 0.5,
                  prior_next: float = 0.85, prior_weight: float = 2.0, decay: float = 0.9,
                  window: int = 24, probe_every: int = 4, probe_max: int = 32, probe_k: int = 1,
-                 prior_slope: float = 0.02, margin: float = 1.1):
+                 prior_slope: float = 0.02, margin: float = 1.1, pad_max: int = 3):
         for name, v, lo in (("fixed", fixed, 0), ("max_k", max_k, 0), ("window", window, 1),
                             ("probe_every", probe_every, 1), ("probe_max", probe_max, 1),
-                            ("probe_k", probe_k, 0)):
+                            ("probe_k", probe_k, 0), ("pad_max", pad_max, 0)):
             if v is not None:
                 check_arg("DraftLength", name, v, lo, integer=True)
         for name, v, hi in (("prior_first", prior_first, 1.0), ("prior_next", prior_next, 1.0),
@@ -236,6 +240,8 @@ class DraftLength:
         self.probe_every, self.probe_max, self.probe_k = probe_every, probe_max, probe_k
         self.prior_slope = prior_slope
         self.margin = margin
+        self.pad_max = pad_max
+        self.pad = 0  # pad_max where the target can widen a step (the decoder sets it)
         self.cheap_draft = False
         self._times: dict = {}  # width -> recent forward seconds
         self._unmeasured = 0  # choices made without a measured plain step
@@ -311,7 +317,11 @@ class DraftLength:
         # left out, as if unmeasured: one slow step on a loaded machine must not
         # price that width out for good (it would never be chosen, so never re-measured).
         trust = self._trust()
-        pts = sorted((w, stat(t), len(t)) for w, t in self._times.items() if len(t) >= max(1, trust))
+        if self.pad and stat is min:  # what compute_width will pick
+            pts = sorted((w, t, n) for w, (t, n) in self._widened(trust).items())
+        else:
+            pts = sorted((w, stat(t), len(t)) for w, t in self._times.items()
+                         if len(t) >= max(1, trust))
         if not pts:
             return 1.0 + self.prior_slope * (grid - 1)  # relative units until measured
         ws = np.array([p[0] for p in pts], float)
@@ -328,6 +338,32 @@ class DraftLength:
         before = grid < ws[0]
         cost[before] = np.maximum(ys[0] - slope * (ws[0] - grid[before]), 1e-9)
         return cost
+
+    def _widened(self, trust: int) -> dict:
+        """{width: (seconds, samples)}: what :meth:`compute_width` makes a step of
+        w tokens cost (w >= 2; a plain step is never widened, and is measured
+        as the other widths are without padding)."""
+        out = {w: (min(t), len(t)) for w, t in self._times.items()
+               if len(t) >= max(1, trust) and (w == 1 or w > self.max_k + 1)}
+        for w in range(2, self.max_k + 2):
+            wider = [(min(self._times[c]), len(self._times[c]))
+                     for c in range(w, w + self.pad + 1) if self._times.get(c)]
+            if wider:
+                out[w] = min(wider)
+        return out
+
+    def compute_width(self, w: int) -> int:
+        """The width to compute a step of w tokens at: w itself until it has been
+        measured once, then each wider width up to w + pad once (a step that
+        widens costs a little, and finds the cheap widths: MKL multiplies 4 rows
+        faster than 3), then the fastest of them."""
+        if self.pad == 0 or w < 2:
+            return w
+        cands = range(w, w + self.pad + 1)
+        fresh = [c for c in cands if not self._times.get(c)]
+        if fresh:
+            return fresh[0]
+        return min(cands, key=lambda c: (min(self._times[c]), c))
 
     def _trust(self) -> int:
         """Samples a width needs for the cost fit: 3 once the best-known width has 3."""
@@ -649,6 +685,7 @@ class SpeculativeDecoder:
 
         cheap = drafter is not None and getattr(drafter, "cheap", False)
         ctl.cheap_draft = cheap
+        ctl.pad = ctl.pad_max if getattr(target, "can_pad", False) else 0
         state = target.new_state(batch)
         target.forward(state, [c[:-1] for c in contexts], all_logits=False)
         if drafter is not None:
@@ -688,12 +725,13 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             parents = _parents(drafts)
             feed = [[contexts[i][-1]] + d.tokens for i, d in zip(live, drafts)]
+            width = ctl.compute_width(1 + max(len(d.tokens) for d in drafts))
+            wide = {"pad_to": width} if width > 1 + max(len(d.tokens) for d in drafts) else {}
             if parents is None:
-                rows = target.forward(state, feed)
+                rows = target.forward(state, feed, **wide)
             else:
-                rows = target.forward(state, feed, trees=[d.parents for d in drafts])
+                rows = target.forward(state, feed, trees=[d.parents for d in drafts], **wide)
             t_target = time.perf_counter() - t0
-            width = 1 + max(len(d.tokens) for d in drafts)
             ctl.observe_target(width, t_target)
 
             t0 = time.perf_counter()

@@ -229,13 +229,23 @@ class HFModel:
             lengths=[0] * batch,
         )
 
-    def forward(self, state: HFState, tokens, all_logits: bool = True, trees=None):
+    # forward(pad_to=...) computes a wider step and keeps only the asked part
+    can_pad = True
+
+    def forward(self, state: HFState, tokens, all_logits: bool = True, trees=None,
+                pad_to: int = 0):
         """Appends ``tokens[b]`` to row b and returns each row's logits:
         ``(len(tokens[b]), V)`` when ``all_logits`` else ``(min(1, len), V)``.
 
         ``trees[b]``, when given and not None, makes row b a tree: ``tokens[b]``
         is its root followed by draft nodes, ``trees[b][i]`` the parent of node i
         (-1: the root), as :func:`specfast.verify` takes them.
+
+        ``pad_to`` (with ``all_logits``) computes the step as ``pad_to`` tokens a
+        row, the extra ones after the real ones (seen by none of them) and
+        dropped from the cache at once: where the matrix products of some widths
+        are slow (MKL's for 2 or 3 rows can cost more than for 4), a wider step
+        is the cheaper one. The results are those of the unpadded step.
         """
         torch = self.torch
         batch = len(tokens)
@@ -243,29 +253,38 @@ class HFModel:
         width = max(counts)
         if width == 0:
             return [torch.empty((0, self.vocab_size)) for _ in tokens]
+        pad = max(0, int(pad_to) - width) if all_logits else 0
+        if pad and self.max_positions is not None and \
+                max(n0 + n for n0, n in zip(state.lengths, counts)) + pad > self.max_positions:
+            pad = 0  # no room for the extra positions
         if trees is not None and all(t is None for t in trees):
             trees = None
         if state.slots == 0 and batch > 1 and not all_logits and min(counts) != width \
                 and trees is None:
             return self._prefill_rows(state, tokens)
+        real, width = width, width + pad  # the asked tokens end at column real
         ids = torch.zeros((batch, width), dtype=torch.long)
         new_valid = torch.zeros((batch, width), dtype=torch.bool)
+        new_valid[:, real:] = True  # padding after every row's tokens: seen by none
         positions = torch.zeros((batch, width), dtype=torch.long)
         block = None  # (B, T, T) who sees whom among the new tokens, for trees
         if trees is not None:
             block = torch.ones((width, width), dtype=torch.bool).tril().repeat(batch, 1, 1)
         for b, (row, n) in enumerate(zip(tokens, counts)):
             if n:
-                ids[b, width - n:] = torch.as_tensor(row, dtype=torch.long)
-                new_valid[b, width - n:] = True
+                ids[b, real - n:real] = torch.as_tensor(row, dtype=torch.long)
+                new_valid[b, real - n:real] = True
                 depth = torch.arange(n)
                 if trees is not None and trees[b] is not None:
                     if len(trees[b]) != n - 1:
                         raise ValueError(f"row {b}: {len(trees[b])} parents for {n - 1} nodes")
                     seen, depth = tree_mask(np.asarray(trees[b], np.int32))
-                    block[b, width - n:, width - n:] = torch.from_numpy(seen)
+                    block[b, real - n:real, real - n:real] = torch.from_numpy(seen)
                     depth = torch.from_numpy(depth).long()
-                positions[b, width - n:] = state.lengths[b] + depth
+                positions[b, real - n:real] = state.lengths[b] + depth
+            if pad:
+                top = int(positions[b, :real].max()) if n else state.lengths[b] - 1
+                positions[b, real:] = top + 1 + torch.arange(pad)
         if self.max_positions is not None and int(positions.max()) >= self.max_positions:
             raise ValueError(f"{self.name} has {self.max_positions} learned positions; this "
                              f"forward reaches position {int(positions.max())}")
@@ -295,6 +314,12 @@ class HFModel:
             raise RuntimeError(f"{self.name}: the forward did not extend the cache it was "
                                "given as cache= (transformers >= 5.24 takes it so)")
         logits = out.logits
+        if pad:  # as if the step had been `real` wide
+            state.cache.crop(-pad)
+            width = real
+            logits, new_valid, positions = (logits[:, :width], new_valid[:, :width],
+                                            positions[:, :width])
+            key_valid = key_valid[:, :slots + width]
         new_pos = torch.where(new_valid, positions, torch.full_like(positions, -1))
         state.valid = key_valid
         state.pos = torch.cat([state.pos, new_pos], dim=1)
