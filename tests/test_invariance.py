@@ -131,6 +131,57 @@ def test_set_num_threads_arguments():
 
 
 @pytest.mark.usefixtures("restore_threads")
+def test_get_num_threads_does_not_wait_for_a_call():
+    """The thread count is read without waiting for another thread's call (it took
+    the lock those calls hold, so a status line waited on a long call)."""
+    import threading
+    import time
+
+    import specfast as sf
+
+    sf.set_num_threads(2)
+    x = np.random.default_rng(0).standard_normal((256, 151936)).astype(np.float32)
+    t0 = time.perf_counter()
+    sf.sample(x, seed=1, top_p=0.9)
+    alone = time.perf_counter() - t0
+    other = threading.Thread(target=lambda: [sf.sample(x, seed=1, top_p=0.9) for _ in range(3)])
+    other.start()
+    time.sleep(alone / 2)
+    t0 = time.perf_counter()
+    n = sf.get_num_threads()
+    waited = time.perf_counter() - t0
+    other.join()
+    assert n == 2 and waited < alone / 2, (waited, alone)
+
+
+def test_a_pool_that_cannot_start_says_one_thread():
+    """Where the workers cannot start (no memory for their stacks), calls run on the
+    caller alone with the same tokens, and get_num_threads says 1 (it said the size
+    that failed)."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os, resource, numpy as np, specfast
+        x = np.random.default_rng(0).standard_normal((4, 1000)).astype(np.float32)
+        tokens, nd = np.array([1, 2], np.int32), np.array([1, 1], np.int32)
+        # the pool (one thread per core) starts at the first call, after the limit
+        vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * 2**20, resource.RLIM_INFINITY))
+        got = [specfast.verify(x, tokens, nd, seed=3).tokens for _ in range(20)]
+        n = specfast.get_num_threads()
+        specfast.set_num_threads(1)
+        want = specfast.verify(x, tokens, nd, seed=3).tokens
+        print(n, all((g == want).all() for g in got), len(os.listdir("/proc/self/task")))
+    """
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    n, same, _ = r.stdout.split()
+    assert n == "1" and same == "True"
+
+
+@pytest.mark.usefixtures("restore_threads")
 def test_concurrent_calls_from_python_threads():
     """Calls from several Python threads at once (they share one pool) give the results a
     lone call gives."""

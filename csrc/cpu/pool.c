@@ -51,6 +51,8 @@ static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
     int requested;       /* sf_set_num_threads; 0 = one per core */
     int started;         /* workers running (not counting the caller) */
+    int unstartable;     /* a pool size whose workers failed to start: not retried */
+    atomic_int in_force; /* threads the calls run on, once known (0: not yet) */
     pthread_t *threads;
     sf_scratch *scratch; /* [0] is the caller's */
     int n_scratch;
@@ -283,6 +285,16 @@ static int start_workers(int want) {
     return ok;
 }
 
+/* Frees the scratch memory of threads past the first n (stopped ones). */
+static void drop_scratch(int n) {
+    for (int i = n; i < P.n_scratch; i++)
+        for (int k = 0; k < 8; k++) free(P.scratch[i].buf[k]);
+    if (n < P.n_scratch) P.n_scratch = n;
+}
+
+/* Under call_lock: the pool of wanted_threads() running, or SF_ERR_THREADS
+ * where its workers cannot start (then the caller runs alone, and that size
+ * is not tried again on every call: only a new sf_set_num_threads retries). */
 static sf_status ensure_workers(void) {
     int want = wanted_threads();
     if (P.n_scratch < want) {
@@ -292,8 +304,14 @@ static sf_status ensure_workers(void) {
         P.scratch = s;
         P.n_scratch = want;
     }
-    if (P.started == want - 1) return SF_OK;
+    if (P.started == want - 1) {
+        atomic_store(&P.in_force, want);
+        return SF_OK;
+    }
+    if (want == P.unstartable) return SF_ERR_THREADS;
     if (P.started) stop_workers();
+    drop_scratch(want); /* a smaller pool keeps no memory of the threads it lost */
+    atomic_store(&P.in_force, 1);
     pthread_t *t = realloc(P.threads, (size_t)want * sizeof *t);
     if (!t) return SF_ERR_NO_MEMORY;
     P.threads = t;
@@ -301,8 +319,11 @@ static sf_status ensure_workers(void) {
     pin_library();
     if (!start_workers(want)) {
         stop_workers();
+        P.unstartable = want;
         return SF_ERR_THREADS;
     }
+    P.unstartable = 0;
+    atomic_store(&P.in_force, want);
     return SF_OK;
 }
 
@@ -369,6 +390,7 @@ SF_API sf_status sf_set_num_threads(int n) {
     pthread_mutex_lock(&call_lock);
     const int before = P.requested;
     P.requested = n;
+    P.unstartable = 0; /* asked again: try again */
     sf_status st = ensure_workers();
     if (st != SF_OK) { /* the setting in force stays: its workers again, where they start */
         P.requested = before;
@@ -379,8 +401,11 @@ SF_API sf_status sf_set_num_threads(int n) {
 }
 
 SF_API int sf_get_num_threads(void) {
+    /* Without the lock once known: a call in another thread may hold it. */
+    int n = atomic_load(&P.in_force);
+    if (n) return n;
     pthread_mutex_lock(&call_lock);
-    int n = wanted_threads();
+    n = wanted_threads(); /* before the first call: the pool it will start */
     pthread_mutex_unlock(&call_lock);
     return n;
 }
@@ -391,6 +416,8 @@ static void before_fork(void) { pthread_mutex_lock(&call_lock); }
 static void after_fork_parent(void) { pthread_mutex_unlock(&call_lock); }
 static void after_fork_child(void) {
     P.started = 0;
+    P.unstartable = 0;
+    atomic_store(&P.in_force, 0);
     P.shutdown = 0;
     atomic_store(&P.inflight, 0);
     atomic_store(&P.current, 0);

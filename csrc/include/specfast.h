@@ -15,7 +15,10 @@
  * - Randomness comes from Philox4x32-10 keyed by the seed and counted by
  *   (absolute position, purpose, index): results do not depend on the batch,
  *   the order of requests, the number of threads or the SIMD level.
- * - The functions are thread safe; calls from many threads share one pool.
+ * - The functions are thread safe; calls from many threads share one pool,
+ *   one call at a time (each on the whole pool; the others wait, and so does
+ *   a fork(), so that the child starts from a consistent pool). A call runs
+ *   to its end: signals reach the caller's handlers after it returns.
  *   Index inputs (tokens, counts, parents, sparse ids, parameters) are
  *   checked as they are used, so another thread writing them during a call
  *   gives a status or a result, not a read out of bounds.
@@ -223,6 +226,9 @@ SF_API sf_status sf_kv_compact(const sf_kv_cache *cache, const int32_t *nodes,
  * rounded up). SF_ERR_THREADS where they cannot
  * start: the setting before stays; a call runs alone where its pool cannot start. */
 SF_API sf_status sf_set_num_threads(int n);
+/* The threads the calls run on, the caller's included: the pool's size, 1
+ * where its workers could not start (a size that failed is tried again only
+ * by sf_set_num_threads). Does not wait for a call in another thread. */
 SF_API int sf_get_num_threads(void);
 
 /* The SIMD level in use: "scalar", "avx2" or "avx512". The environment

@@ -822,7 +822,8 @@ def set_num_threads(n: int) -> None:
 
 
 def get_num_threads() -> int:
-    """The threads the pool runs."""
+    """The threads the calls run on, the caller's included: the pool's size, or 1
+    where its workers could not start. Does not wait for another thread's call."""
     return lib().sf_get_num_threads()
 
 
