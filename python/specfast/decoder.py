@@ -725,8 +725,9 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             parents = _parents(drafts)
             feed = [[contexts[i][-1]] + d.tokens for i, d in zip(live, drafts)]
-            width = ctl.compute_width(1 + max(len(d.tokens) for d in drafts))
-            wide = {"pad_to": width} if width > 1 + max(len(d.tokens) for d in drafts) else {}
+            need = 1 + max(len(d.tokens) for d in drafts)
+            width = ctl.compute_width(need)
+            wide = {"pad_to": width} if width > need else {}
             if parents is None:
                 rows = target.forward(state, feed, **wide)
             else:
