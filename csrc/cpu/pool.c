@@ -288,7 +288,8 @@ static int start_workers(int want) {
 /* Frees the scratch memory of threads past the first n (stopped ones). */
 static void drop_scratch(int n) {
     for (int i = n; i < P.n_scratch; i++)
-        for (int k = 0; k < 8; k++) free(P.scratch[i].buf[k]);
+        for (size_t k = 0; k < sizeof P.scratch[i].buf / sizeof *P.scratch[i].buf; k++)
+            free(P.scratch[i].buf[k]);
     if (n < P.n_scratch) P.n_scratch = n;
 }
 

@@ -1551,8 +1551,10 @@ static int32_t sf_cu_etab_room(const void *kernel, int dtype, int64_t tokens, si
 static int sf_cu_device_cluster(int dev) {
     enum { DEVICES = 16 };
     static std::atomic<int> known[DEVICES]; /* 0: not asked yet */
-    if (dev >= 0 && dev < DEVICES && known[dev].load(std::memory_order_relaxed))
-        return known[dev].load(std::memory_order_relaxed);
+    if (dev >= 0 && dev < DEVICES) {
+        const int k = known[dev].load(std::memory_order_relaxed);
+        if (k) return k;
+    }
     int clusters = 0, most = 1;
     cudaFuncAttributes fa;
     if (cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev) == cudaSuccess &&

@@ -90,7 +90,6 @@ class LlamaCppModel:
         # every end-of-generation token (Llama 3's <|eot_id|> is not token_eos)
         vocab = lc.llama_model_get_vocab(self.llm.model)
         self.eos_token_ids = [t for t in range(self.vocab_size) if lc.llama_vocab_is_eog(vocab, t)]
-        self._n_ctx = n_ctx
         self.max_positions = n_ctx  # one row alone
         self.max_batch_positions = n_ctx  # the rows together: they share the n_ctx cells
         try:  # read once: kv_bytes runs every decoding step
@@ -176,9 +175,10 @@ class LlamaCppModel:
         outs = [np.empty((0, self.vocab_size), np.float32) for _ in tokens]
         if total == 0:
             return outs
-        if sum(state.lengths) + total > self._n_ctx:  # llama.cpp would abort the process
+        if sum(state.lengths) + total > self.max_batch_positions:  # llama.cpp would abort
             raise ValueError(f"{sum(state.lengths)} cached and {total} new tokens exceed the "
-                             f"context of {self._n_ctx} (n_ctx) that the batch's rows share")
+                             f"context of {self.max_batch_positions} (n_ctx) that the batch's "
+                             "rows share")
         batch = lc.llama_batch_init(total, 0, 1)
         try:
             i = 0

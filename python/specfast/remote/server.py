@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent import futures
 
+import grpc
 import numpy as np
 
 from .. import _api
@@ -274,8 +275,6 @@ class DrafterService(pb_grpc.DrafterServicer):
         if self.auth_token is not None and not self._authentic(context):
             log.warning("session refused: authentication failed")
             # a status, not an Error message: the client may still be sending its hello
-            import grpc
-
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "authentication failed")
         # a reader thread, so that a step that has already arrived cancels the
         # look-ahead it would make stale; it reads one message ahead at most
@@ -366,8 +365,6 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
     more than ``max_tokens`` tokens in all is refused with an Error (the client
     drafts locally), and a step's drafts are cut to what that limit leaves
     (and, with the DENSE payload, to what fits in one message)."""
-    import grpc
-
     if auth_token is not None and not auth_token:
         raise ValueError("auth_token must not be empty: every client sends '' by default")
     # Sessions beyond the workers are refused (RESOURCE_EXHAUSTED: the client
