@@ -129,6 +129,18 @@ def test_scalars_by_value_arrays_per_request(kernels):
                                   position=[0, 10, 20, 30])
 
 
+def test_temperature_too_small_for_float32_is_not_zero(kernels):
+    """As on the CPU: a positive temperature that float32 rounds to 0 (greedy) is
+    taken as float32's smallest, a number or a float64 array or tensor alike."""
+    tiny = float(np.nextafter(np.float32(0), np.float32(1)))
+    x = torch.zeros(2, 50)
+    _cuda.sample(x, temperature=1e-46)
+    assert kernels.calls[-1][1]["params"]["temperature"] == tiny
+    for t in (np.array([1e-300, 0.0]), torch.tensor([1e-300, 0.0], dtype=torch.float64)):
+        _cuda.sample(x, temperature=t)
+        assert kernels.calls[-1][1]["params"]["temperature"] == [tiny, 0.0]
+
+
 @pytest.mark.parametrize("kw, error, match", [
     (dict(top_p=np.array([0.5, 0.6])), ValueError, "one value per request"),
     (dict(seed=-1), ValueError, "out of range"),

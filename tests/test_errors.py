@@ -755,6 +755,17 @@ def test_lists_of_python_ints_stay_integers():
            r"draft_tokens.*out of range")
 
 
+def test_per_request_parameter_errors_name_the_request():
+    """A bad value in a per-request array checked in Python names its request and
+    the value, as the core's checks of temperature and the filters do."""
+    kw = base_verify()
+    raises(lambda: sf.verify(**kw, seed=[1, 2, -5]), r"seed must be non-negative \(request 2: -5\)")
+    raises(lambda: sf.verify(**kw, top_k=np.array([5, -1, 2])), r"top_k.*\(request 1: -1\)")
+    raises(lambda: sf.verify(**kw, position=np.array([1, 2, 2**63], np.uint64)),
+           r"position must be below 2\^63 \(request 2: 9223372036854775808\)")
+    raises(lambda: sf.verify(**kw, seed=np.array([-3])), r"seed must be non-negative \(got -3\)")
+
+
 def test_ml_dtypes_bfloat16_parameters_and_draft_probs():
     """numpy's bfloat16 (ml_dtypes) is taken wherever floats are, as torch's is."""
     if BF16 is None:

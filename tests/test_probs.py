@@ -219,3 +219,23 @@ def test_probs_tiny_temperature_keeps_relative_precision():
     ref = ref_probs_row(x[0], 1e-3)
     got = sf.probs(x, temperature=1e-3)[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2.0**-36)
+
+
+@pytest.mark.parametrize("T", [1e-46, 1e-300, np.float64(5e-324)])
+def test_temperature_too_small_for_float32_is_not_greedy(T):
+    """A positive temperature that float32 rounds to 0 acts as every tiny one does
+    (the mass split between the tokens tied at the top), not as 0 (greedy: the
+    lower id alone), whether passed as a number or in a float64 array or tensor."""
+    x = np.array([[1.0, 3.0, 3.0], [3.0, 1.0, 0.0]], np.float32)
+    want = np.array([[0, 0.5, 0.5], [1, 0, 0]], np.float32)
+    np.testing.assert_array_equal(sf.probs(x, temperature=T), want)
+    np.testing.assert_array_equal(sf.probs(x, temperature=np.array([T, T])), want)
+    np.testing.assert_array_equal(sf.probs(x, temperature=[T, 0.0]), want)
+    np.testing.assert_array_equal(sf.probs(x[:1], temperature=0.0), [[0, 1, 0]])
+    seeds = np.arange(400, dtype=np.uint64)
+    tied = np.repeat(x[:1], 400, axis=0)
+    drawn = sf.sample(tied, temperature=T, seed=seeds)
+    assert set(drawn.tolist()) == {1, 2}  # both tied tokens drawn, token 1 not always
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([float(T), float(T)], dtype=torch.float64)
+    np.testing.assert_array_equal(sf.probs(torch.from_numpy(x), temperature=t).numpy(), want)

@@ -303,6 +303,8 @@ def _array_param(value, name, batch, keep):
     a = _as_array(value, name)
     if a.dtype.name == "bfloat16" and dtype == np.float32:  # ml_dtypes
         a = a.astype(np.float32)
+    if name == "temperature" and a.dtype.kind == "f":
+        a = _lift_temperatures(a)
     if a.ndim > 1 or (a.ndim == 1 and a.shape[0] not in (1, batch)):
         raise ValueError(
             f"{name} must be a scalar or have one value per request ({batch}), got shape {a.shape}"
@@ -312,14 +314,22 @@ def _array_param(value, name, batch, keep):
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
     if dtype == np.uint64 and a.dtype.kind == "i" and a.size and a.min() < 0:
-        raise ValueError(f"{name} must be non-negative")
+        raise ValueError(f"{name} must be non-negative" + _which(a, a < 0))
     if dtype == np.int32 and a.size and (a.min() < 0 or a.max() >= 1 << 31):
-        raise ValueError(f"{name} must be in [0, 2^31)")
+        raise ValueError(f"{name} must be in [0, 2^31)"
+                         + _which(a, (a < 0) | (a >= 1 << 31)))
     if dtype == np.int64 and a.dtype == np.uint64 and a.size and a.max() >= 1 << 63:
-        raise ValueError(f"{name} must be below 2^63")
+        raise ValueError(f"{name} must be below 2^63" + _which(a, a >= 1 << 63))
     a = _c_array(a.reshape(-1), dtype)
     keep.append(a)
     return _ptr(f"{ctype} *", a), a.shape[0]
+
+
+def _which(a, bad) -> str:
+    """Where 1-D parameter array a first breaks its rule (bad: a mask), for a message."""
+    i = int(np.flatnonzero(bad)[0]) if a.ndim else 0
+    value = a.reshape(-1)[i].item()
+    return f" (request {i}: {value})" if a.ndim and a.shape[0] > 1 else f" (got {value})"
 
 
 _PLAIN = (int, float)
@@ -402,6 +412,8 @@ def _params(f, batch, temperature, top_k, top_p, min_p, seed, position, keep):
         except OverflowError:  # an int beyond any float: the path below says which
             pass
         else:
+            if not floats[0] and temperature > 0:  # below float32's range: see _as_float
+                floats[0] = _F32_TINY
             ints[0] = top_k
             ints[2] = position
             f.seeds[0] = seed
@@ -432,9 +444,25 @@ def _exact_array(v, dtype, batch) -> bool:
 
 def _as_float(v, name):
     try:
-        return float(v)
+        x = float(v)
     except OverflowError:  # an int beyond any float
         raise ValueError(f"{name} is out of range: too large for a float") from None
+    return _F32_TINY if name == "temperature" and 0 < x < _F32_TINY else x
+
+
+# The smallest float32 above 0. A temperature too small for float32 is read as
+# this, not as 0 (greedy): like every temperature below the core's floor it then
+# spreads the mass over the tokens tied at the top.
+_F32_TINY = float(np.nextafter(np.float32(0), np.float32(1)))
+
+
+def _lift_temperatures(a):
+    """Float temperatures (a numpy array or torch tensor) with those that float32
+    would round to 0 made _F32_TINY: see _as_float."""
+    if a.dtype.itemsize <= 4:  # no float16 or float32 is below _F32_TINY
+        return a
+    where = _torch().where if _is_torch(a) else np.where
+    return where((a > 0) & (a < _F32_TINY), _F32_TINY, a)
 
 
 def _float_param(v, name, buf, i, batch, keep):

@@ -47,8 +47,8 @@ import numpy as np
 
 from ._cdef import CDEF
 from ._api import (_BF16_SUM_SLACK, _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array,
-                   _as_float, _first_bad_param, _is_int, _method, _param_detail, _scalar,
-                   _strided, _torch)
+                   _as_float, _first_bad_param, _is_int, _lift_temperatures, _method,
+                   _param_detail, _scalar, _strided, _torch, _which)
 from ._lib import fix_for, library_path, open_library
 
 CUDA_CDEF = """
@@ -238,6 +238,9 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, 
                              f"({batch}), got shape {shape}")
         if kind not in "iuf":
             raise TypeError(f"{name} must be numeric, got dtype {dt}")
+        if name == "temperature" and kind == "f":
+            value = _lift_temperatures(value if isinstance(value, torch.Tensor)
+                                       else _as_array(value, name))
         if name == "seed" and isinstance(value, torch.Tensor) and not is_cuda(value):
             value = value.detach().numpy()  # host seeds: checked and taken as numpy's
         if name == "seed" and not isinstance(value, torch.Tensor):
@@ -245,7 +248,7 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, 
             if a.dtype.kind not in "iu":
                 raise TypeError(f"seed must hold integers, got dtype {a.dtype}")
             if a.dtype.kind == "i" and a.size and a.min() < 0:
-                raise ValueError("seed must be non-negative")
+                raise ValueError("seed must be non-negative" + _which(a, a < 0))
             value = a.astype(np.uint64).view(np.int64)  # the same 64 bits
         if (check and name == "seed" and isinstance(value, torch.Tensor) and value.numel()
                 and not value.is_floating_point() and value.dtype.is_signed
