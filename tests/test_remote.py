@@ -3,6 +3,7 @@ bytes on the wire, faults (drafter down, killed, restarted) and refusals."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from concurrent import futures
@@ -1207,3 +1208,146 @@ def test_closing_the_delay_proxy_ends_its_connections():
     assert c.recv(1) == b"" and up.recv(1) == b""
     for sock in (c, up, srv):
         sock.close()
+
+
+def test_a_draft_tree_with_a_forward_parent_falls_back(target):
+    """A drafter (not ours) whose tree names a later node as a parent ([1, -1]) is
+    refused by the client ("invalid parents") and the fallback drafts: the output is
+    plain greedy decoding's (let through, tree_mask raised and ended the generation)."""
+    def forward(step):
+        out = pb.Drafts(step=step.step)
+        for u in step.updates:
+            if u.k >= 2:
+                out.drafts.add(tokens=[3, 4], parents=[1, -1])
+            else:
+                out.drafts.add()
+        yield pb.FromDrafter(drafts=out)
+
+    server, port = _fake_server(_Scripted(forward))
+    d = remote(port, target, retry=100.0)
+    try:
+        out = SpeculativeDecoder(target, d, k=4).generate(PROMPTS[0], 12)
+        assert out.tokens == reference(target, PROMPTS[0], 12, temperature=0.0)
+        assert d.stats.steps == 0 and d.stats.local_steps > 0
+        assert any("invalid parents" in f for f in d.stats.failures), d.stats.failures
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def test_rows_selected_away_stop_counting_toward_max_tokens():
+    """After a select the session holds only the kept rows' tokens: the surviving
+    row may append and get drafts up to max_tokens (the dropped rows' 40 tokens
+    still counted would make this 110 tokens, over the limit of 100)."""
+    server, port = serve(lambda: NgramDrafter(), max_tokens=100)
+    try:
+        h = pb.Hello(version=1, payload=pb.TOKENS, vocab_size=48)
+        for p in ([4, 5, 6, 7] * 10, [1, 2, 3] * 13 + [1]):
+            h.requests.add(tokens=p, sampling=pb.Sampling(coupled=True))
+        st = pb.Step(step=1, select=[1])
+        st.updates.add(append=[2, 3, 1] * 10, k=3)  # 40 + 30 = 70 held
+        replies = raw_session(port, [pb.ToDrafter(hello=h), pb.ToDrafter(step=st)])
+        assert [r.WhichOneof("msg") for r in replies] == ["welcome", "drafts"], replies[-1]
+        assert [list(d.tokens) for d in replies[-1].drafts.drafts] == [[2, 3, 1]]
+    finally:
+        server.stop(0)
+
+
+class _Ramp(NgramDrafter):
+    """Drafts len(context), len(context) + 1, ... (k of them): each draft says
+    which context and k it was asked for."""
+
+    def propose(self, contexts, ks, sampling):
+        return [Draft([(len(c) + j) % 48 for j in range(k)]) for c, k in zip(contexts, ks)]
+
+
+def _live_session(port):
+    """A stream whose messages are sent one at a time: ``(send, replies, close)``."""
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    out: queue.Queue = queue.Queue()
+    replies = pb_grpc.DrafterStub(ch).Session(iter(out.get, None), timeout=20)
+
+    def close():
+        out.put(None)
+        replies.cancel()
+        ch.close()
+
+    return out.put, replies, close
+
+
+def test_the_lookahead_drafts_lookahead_tokens_past_its_assumption():
+    """The look-ahead assumes the step's whole draft and the drafter's own next
+    token accepted, and drafts ``lookahead`` tokens past them (lookahead + 1 asked
+    of the drafter, its first token assumed)."""
+    server, port = serve(lambda: _Ramp())
+    send, replies, close = _live_session(port)
+    try:
+        send(hello(lookahead=4))  # a prompt of 5 tokens
+        assert next(replies).WhichOneof("msg") == "welcome"
+        send(_step(1, [([], 3)]))
+        drafts = next(replies).drafts
+        assert drafts.step == 1 and not drafts.ahead
+        assert list(drafts.drafts[0].tokens) == [5, 6, 7]
+        ahead = next(replies).drafts
+        assert ahead.step == 1 and ahead.ahead and len(ahead.drafts) == 1
+        assert list(ahead.drafts[0].assumed) == [5, 6, 7, 8]  # the draft, then its next
+        assert list(ahead.drafts[0].tokens) == [9, 10, 11, 12]  # lookahead = 4 past them
+    finally:
+        close()
+        server.stop(0)
+
+
+@pytest.mark.parametrize("max_tokens, sent", [(13, True), (12, False)])
+def test_the_lookahead_counts_the_steps_drafts_against_max_tokens(max_tokens, sent):
+    """A prompt of 5, a step draft of 3 and a look-ahead of 4 + 1 hold 13 tokens:
+    at max_tokens=13 the look-ahead goes out, at 12 it does not (the step's own
+    drafts take what the limit leaves), and the next reply is the next step's."""
+    server, port = serve(lambda: _Ramp(), max_tokens=max_tokens)
+    send, replies, close = _live_session(port)
+    try:
+        send(hello(lookahead=4))
+        assert next(replies).WhichOneof("msg") == "welcome"
+        send(_step(1, [([], 3)]))
+        drafts = next(replies).drafts
+        assert not drafts.ahead and list(drafts.drafts[0].tokens) == [5, 6, 7]  # uncut
+        if sent:
+            ahead = next(replies).drafts
+            assert ahead.ahead and list(ahead.drafts[0].tokens) == [9, 10, 11, 12]
+        else:
+            time.sleep(0.5)  # room for a look-ahead to go out before the next step
+        send(_step(2, [([], 0)]))
+        nxt = next(replies).drafts
+        assert nxt.step == 2 and not nxt.ahead, nxt
+    finally:
+        close()
+        server.stop(0)
+
+
+def test_bytes_per_step_counts_both_directions(target):
+    """TransferStats counts the steps' messages both ways: bytes_sent those the
+    drafter received, bytes_received those it sent, bytes_per_step their sum per
+    step (as the generation's metrics report it)."""
+    up, down = [], []
+
+    def echo(step):
+        out = pb.FromDrafter(drafts=pb.Drafts(step=step.step, drafts=[
+            pb.Draft(tokens=[3] * u.k) for u in step.updates]))
+        up.append(pb.ToDrafter(step=step).ByteSize())
+        down.append(out.ByteSize())
+        yield out
+
+    server, port = _fake_server(_Scripted(echo))
+    d = remote(port, target, retry=100.0)
+    try:
+        dec = SpeculativeDecoder(target, d, k=4)
+        out = dec.generate(PROMPTS[0], 12)
+        assert out.tokens == reference(target, PROMPTS[0], 12, temperature=0.0)
+        st = d.stats
+        assert st.steps == len(up) == len(down) > 0 and not st.failures
+        assert st.bytes_sent == sum(up) and st.bytes_received == sum(down) > 0
+        assert st.bytes_per_step == pytest.approx((sum(up) + sum(down)) / st.steps)
+        assert st.bytes_per_drafted_token == pytest.approx((sum(up) + sum(down)) / st.drafted)
+        assert dec.last_metrics.transfer["bytes_per_step"] == st.bytes_per_step
+    finally:
+        d.close()
+        server.stop(0)
