@@ -197,6 +197,25 @@ def test_kernel_status_becomes_the_cpu_exception(kernels):
         _cuda.sample(torch.zeros(3, 50), top_p=np.array([0.9, 0.7, 0.8]), check=True)
 
 
+def test_kernel_status_names_the_bad_draft_node(kernels):
+    """check=True reads the failed request's draft back and says which node broke
+    which rule, as the CPU's message does."""
+    logits, tokens, nd = chain(batch=6)  # request 3: node 3; request 4: nodes 4, 5
+    tokens[5] = 77
+    kernels.codes = {3: 6 | 1 << 8}
+    with pytest.raises(ValueError, match=r"request 3\)$"):  # its draft is fine: no detail
+        _cuda.verify(logits, tokens, nd, check=True)
+    kernels.codes = {4: 6 | 1 << 8}
+    with pytest.raises(ValueError, match=r"request 4\): node 1: token 77 is not in \[0, 50\)"):
+        _cuda.verify(logits, tokens, nd, check=True)
+    tokens[5] = 1
+    q = torch.full((6, 50), 0.02)
+    q[4, 3] = float("nan")
+    kernels.codes = {4: 8 | 1 << 8}
+    with pytest.raises(ValueError, match=r"request 4\): node 0: draft_probs at token 3 is nan"):
+        _cuda.verify(logits, tokens, nd, draft_probs=q, check=True)
+
+
 def test_launch_failure_is_a_runtime_error(kernels):
     kernels.launch = 11
     with pytest.raises(RuntimeError, match="did not launch \\(out of memory\\)"):

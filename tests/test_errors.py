@@ -766,6 +766,33 @@ def test_per_request_parameter_errors_name_the_request():
     raises(lambda: sf.verify(**kw, seed=np.array([-3])), r"seed must be non-negative \(got -3\)")
 
 
+def test_draft_errors_name_the_node_and_what_was_wrong():
+    """A bad draft token, parent or draft probability names the node of the failed
+    request and the rule it broke, not only the request."""
+    kw = base_verify()  # request 0: nodes 0, 1; request 2: node 0 (row 2 of q)
+    raises(lambda: sf.verify(**dict(kw, draft_tokens=[1, V + 3, 3])),
+           rf"request 0\): node 1: token {V + 3} is not in \[0, {V}\)")
+    raises(lambda: sf.verify(**kw, parents=[-1, 1, -1]),
+           r"request 0\): node 1: parent 1 is not in \[-1, 1\)")
+    q = kw["draft_probs"].copy()
+    q[2, 3] = np.nan  # at request 2's drafted token
+    raises(lambda: sf.verify(**dict(kw, draft_probs=q)),
+           r"request 2\): node 0: draft_probs at its token 3 is nan")
+    q = kw["draft_probs"].copy()
+    q[0] *= 1.5  # read whole where node 0, rejected, leaves a residual for its sibling
+    logits = kw["target_logits"].copy()
+    logits[0, 1] = -1e4  # the target never takes node 0's token
+    raises(lambda: sf.verify(**dict(kw, draft_probs=q, target_logits=logits,
+                                    parents=[-1, -1, -1])),
+           r"request 0\): node 0: draft_probs sums to 1.5")
+    ids = np.array([[1, -1], [2, -1], [3, 3]])
+    raises(lambda: sf.verify(**dict(kw, draft_probs=sf.SparseProbs(ids, np.full((3, 2), 0.5)))),
+           r"request 0\): node 0: slot 1 holds token -1 with probability 0.5")
+    vals = np.array([[1.0, 0.0], [1.0, 0.0], [0.5, 0.5]])
+    raises(lambda: sf.verify(**dict(kw, draft_probs=sf.SparseProbs(ids, vals))),
+           r"request 2\): node 0: a token id appears twice")
+
+
 def test_ml_dtypes_bfloat16_parameters_and_draft_probs():
     """numpy's bfloat16 (ml_dtypes) is taken wherever floats are, as torch's is."""
     if BF16 is None:

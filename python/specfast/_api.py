@@ -577,9 +577,64 @@ def _param_detail(param_values, index) -> str:
     return f"{_PARAM_RULES}; got " + ", ".join(shown)
 
 
-def _raise(status, what, index, param_values):
-    detail = _param_detail(param_values, index) if status == lib().SF_ERR_PARAM else None
+def _raise(status, what, index, param_values, draft=None):
+    if status == lib().SF_ERR_PARAM:
+        detail = _param_detail(param_values, index)
+    else:
+        detail = _draft_detail(status, index, *draft) if draft and index >= 0 else None
     check(status, what, index, detail)
+
+
+def _host(x):
+    return x.detach().cpu().numpy() if _is_torch(x) else x
+
+
+def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
+    """Which draft node of request `index` broke the rule of `status` and how:
+    looked for only once the core has failed, so its cost does not matter. None
+    where it cannot say. probs: dense rows, (ids, values) or None. Dense rows are
+    checked where the kernel reads them: this looks at the drafted token first,
+    then at the whole row."""
+    tokens, num_draft, parents = _host(tokens), _host(num_draft), _host(parents)
+    n0 = int(np.sum(num_draft[:index], dtype=np.int64))
+    for j in range(int(num_draft[index])):
+        t = int(tokens[n0 + j])
+        if status == lib().SF_ERR_TOKEN and not 0 <= t < vocab:
+            return f"node {j}: token {t} is not in [0, {vocab})"
+        if status == lib().SF_ERR_PARENT and not -1 <= int(parents[n0 + j]) < j:
+            return f"node {j}: parent {int(parents[n0 + j])} is not in [-1, {j})"
+        if status != lib().SF_ERR_DRAFT_PROBS or probs is None:
+            continue
+        if isinstance(probs, tuple):  # sparse: (ids, values)
+            ids = _host(probs[0])[n0 + j]
+            val = _host(probs[1])[n0 + j].astype(np.float32)
+            bad = (ids < -1) | (ids >= vocab) | ~((val >= 0) & (val <= _Q_MAX))
+            bad |= (ids == -1) & (val != 0)
+            if bad.any():
+                a = int(np.flatnonzero(bad)[0])
+                return (f"node {j}: slot {a} holds token {int(ids[a])} with probability "
+                        f"{float(val[a])!r} (ids in [-1, {vocab}), values in [0, 1.001], "
+                        "0 for an unused -1)")
+            if _repeats(ids[None]):
+                return f"node {j}: a token id appears twice"
+            total = float(np.sum(val, dtype=np.float64))
+            if not abs(total - 1.0) <= 1e-3:
+                return f"node {j}: the probabilities sum to {total!r}, not 1 within 1e-3"
+            continue
+        row = _host(probs)[n0 + j].astype(np.float32)
+        if 0 <= t < vocab and not _Q_MIN <= row[t] <= _Q_MAX:
+            return f"node {j}: draft_probs at its token {t} is {float(row[t])!r}, not in [0, 1.001]"
+        bad = np.flatnonzero(~((row >= 0) & (row <= _Q_MAX)))
+        if bad.size:
+            return (f"node {j}: draft_probs at token {int(bad[0])} is {float(row[bad[0]])!r}, "
+                    "not in [0, 1.001]")
+        total = float(np.sum(row, dtype=np.float64))
+        if not abs(total - 1.0) <= 1e-3:
+            return f"node {j}: draft_probs sums to {total!r}, not 1 within 1e-3"
+    return None
+
+
+_Q_MIN, _Q_MAX = np.float32(0), np.float32(1.001)  # shared.h's sf_prob_ok
 
 
 def _repeats(ids) -> bool:
@@ -681,6 +736,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
             raise ValueError(f"parents has {par.shape[0]} entries, draft_tokens has {n}")
         keep.append(par)
         d.parents = _ptr("int32_t *", par)
+    q = draft_probs  # as the core reads it: for an error's detail
     if draft_probs is None:
         d.kind = 0
     elif isinstance(draft_probs, SparseProbs):
@@ -691,6 +747,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
                 f"draft_probs has {draft_probs.indices.shape[0]} rows, draft_tokens has {n}"
             )
         d.kind, d.sparse_k = 2, draft_probs.indices.shape[1]
+        q = (draft_probs.indices, draft_probs.values)
         d.sparse_ids = _ptr("int32_t *", draft_probs.indices)
         d.sparse_probs = _ptr("float *", draft_probs.values)
     else:
@@ -735,7 +792,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         f.busy = False
     if status:
         _raise(status, "specfast.verify", index,
-               dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+               dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+               (tokens, nd, par if parents is not None else None, q, vocab))
     if torch_out:
         torch = _torch()
         return VerifyResult(torch.from_numpy(out_tokens), torch.from_numpy(out_acc),

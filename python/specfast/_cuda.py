@@ -47,8 +47,8 @@ import numpy as np
 
 from ._cdef import CDEF
 from ._api import (_BF16_SUM_SLACK, _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array,
-                   _as_float, _first_bad_param, _is_int, _lift_temperatures, _method,
-                   _param_detail, _scalar, _strided, _torch, _which)
+                   _as_float, _draft_detail, _first_bad_param, _is_int, _lift_temperatures,
+                   _method, _param_detail, _scalar, _strided, _torch, _which)
 from ._lib import fix_for, library_path, open_library
 
 CUDA_CDEF = """
@@ -368,8 +368,9 @@ def _shown(v):
     return _ON_DEVICE if is_cuda(v) else repr(v)
 
 
-def _raise_device(status, what, params):
-    """Synchronises, then raises for the lowest (phase, index) failed request."""
+def _raise_device(status, what, params, draft=None):
+    """Synchronises, then raises for the lowest (phase, index) failed request;
+    draft: verify's (tokens, num_draft, parents, probs, vocab), for the detail."""
     from ._lib import check
 
     s = status.cpu().numpy().astype(np.int64)
@@ -379,7 +380,10 @@ def _raise_device(status, what, params):
     order = (s[bad] >> 8) * (1 << 40) + bad
     index = int(bad[np.argmin(order)])
     code = int(s[index] & 255)
-    detail = _param_detail(params, index) if code == 3 else None
+    if code == 3:
+        detail = _param_detail(params, index)
+    else:
+        detail = _draft_detail(code, index, *draft) if draft and code in (6, 7, 8) else None
     # Shape errors concern the whole call on the CPU backend.
     check(code, what, -1 if code == 2 else index, detail)
 
@@ -462,6 +466,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
             raise ValueError(f"parents has {par.shape[0]} entries, draft_tokens has {n}")
         keep.append(par)
         d.parents = _ptr(par)
+    q = None  # the probabilities as the kernel reads them: for an error's detail
     if draft_probs is None:
         d.kind = 0
     elif isinstance(draft_probs, SparseProbs) or (
@@ -480,6 +485,7 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
         keep += [ids, vals]
         d.kind, d.sparse_k = 2, ids.shape[1]
         d.sparse_ids, d.sparse_probs = _ptr(ids), _ptr(vals)
+        q = (ids, vals)
     else:
         q = _probs(draft_probs, dev, "draft_probs")
         if tuple(q.shape) != (n, vocab):
@@ -511,7 +517,8 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     if st:
         _raise_host(st, "specfast.verify", pvals)
     if check:
-        _raise_device(status, "specfast.verify", pvals)
+        _raise_device(status, "specfast.verify", pvals,
+                      (tokens, nd, par if parents is not None else None, q, vocab))
     return VerifyResult(o_tok, o_acc, o_nodes)
 
 
