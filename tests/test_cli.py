@@ -48,7 +48,10 @@ def test_unknown_command_is_a_usage_error():
     (["--top-p", "0"], "top_p=0.0"), (["--temperature", "-1"], "temperature=-1.0"),
     (["--drafter", "ngram:x"], "'ngram:N' takes"),
     (["--stop", ""], "a stop string must not be empty"),
-], ids=["top-p", "temperature", "ngram-spec", "empty-stop"])
+    (["--payload", "topk", "--lookahead", "2"],
+     "--payload, --lookahead: only with --drafter remote:HOST:PORT"),
+    (["--drafter", "none", "--token-file", "t"], "--token-file: only with --drafter remote"),
+], ids=["top-p", "temperature", "ngram-spec", "empty-stop", "remote-options", "token-file"])
 def test_generate_refuses_bad_settings_before_loading_a_model(args, said):
     out = cli("generate", "--prompt", "hi", "--target", "/nonexistent/model", *args)
     assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr

@@ -120,9 +120,16 @@ def run(args) -> int:
             raise SystemExit(f"--drafter {args.drafter}: {exc}") from None
         refused = (RemoteError,)
         options = remote_options(args)  # before the model loads
-    elif not (is_ngram(args.drafter) or args.drafter == "none"
-              or os.path.exists(args.drafter)):
-        raise SystemExit(f"--drafter {args.drafter}: no such draft model folder or file")
+    else:
+        given = [flag for flag, value, default in (
+            ("--payload", args.payload, "tokens"), ("--payload-top-k", args.payload_top_k, 8),
+            ("--lookahead", args.lookahead, 8), ("--token-file", args.token_file, None),
+            ("--tls-ca", args.tls_ca, None)) if value != default]
+        if given:  # not silently ignored
+            raise SystemExit(f"{', '.join(given)}: only with --drafter remote:HOST:PORT")
+        if not (is_ngram(args.drafter) or args.drafter == "none"
+                or os.path.exists(args.drafter)):
+            raise SystemExit(f"--drafter {args.drafter}: no such draft model folder or file")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prompt.count("-") > 1:
