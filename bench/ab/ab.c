@@ -91,6 +91,10 @@ int main(int argc, char **argv) {
     sf_verify_out o = {out_tokens, out_acc, out_nodes, k};
 
     const char *m = getenv("AB_METHOD"); /* "coupled", or rejection by default */
+    if (m && strcmp(m, "coupled") != 0 && strcmp(m, "rejection") != 0) {
+        fprintf(stderr, "ab: AB_METHOD=%s: give rejection or coupled\n", m);
+        return 2;
+    }
     const sf_method method = m && strcmp(m, "coupled") == 0 ? SF_COUPLED : SF_REJECTION;
     /* About 50 ms of calls a block. */
     double t0 = now_us();
@@ -110,7 +114,8 @@ int main(int argc, char **argv) {
             }
         }
     }
-    printf("batch %lld, draft %lld, vocab %lld, %s q, top_k %d, top_p %g, %d calls a library\n",
+    printf("%s, batch %lld, draft %lld, vocab %lld, %s q, top_k %d, top_p %g, "
+           "%d calls a library\n", method == SF_COUPLED ? "coupled" : "rejection",
            (long long)batch, (long long)k, (long long)vocab, dense ? "dense" : "no", top_k,
            top_p, per * ROUNDS);
     for (int l = 0; l < n_libs; l++) {

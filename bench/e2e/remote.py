@@ -1,5 +1,7 @@
-"""Drafting over the network: payload mode x round trip -> bytes per token,
-tokens/s and speed-up over target-only decoding, in one run.
+"""Drafting over the network, payload mode by round trip, in one run.
+
+Each row gives bytes per token, tokens/s and the speed-up over target-only
+decoding.
 
 The drafter runs in a ``specfast serve-drafter`` server of this process on
 loopback, behind :class:`specfast.remote.proxy.DelayProxy` (half the round
