@@ -22,7 +22,7 @@ import specfast  # noqa: E402
 from specfast.adapters.hf import HFModel  # noqa: E402
 from specfast import decoder  # noqa: E402
 from specfast.decoder import DraftLength, SpeculativeDecoder  # noqa: E402
-from specfast.drafters import Draft, ModelDrafter, NgramDrafter  # noqa: E402
+from specfast.drafters import Draft, Drafter, ModelDrafter, NgramDrafter  # noqa: E402
 
 from reference import ref_probs_row  # noqa: E402
 from stats import assert_outcomes, scaled  # noqa: E402
@@ -976,3 +976,145 @@ def test_bad_settings_fail_where_they_are_given(draft_model, make, error, said):
 def test_settings_at_their_edges_are_taken():
     DraftLength(decay=1.0, probe_k=0, margin=10**400, prior_next=np.float32(1.0), window=np.int64(3))
     NgramDrafter(max_match=10**20, decay=np.float64(0.5))
+
+
+class _Scripted(Drafter):
+    """Drafts from the known greedy continuation of each prompt: ``plan(row,
+    generated)`` says how long the draft is and how many of its tokens are the
+    target's own (the rest are wrong), cut to the k asked for, so what a run
+    drafts and accepts at each step is known before it runs."""
+
+    def __init__(self, refs, plan, vocab):
+        self.refs, self.plan, self.vocab = refs, plan, vocab  # refs: [(prompt, continuation)]
+
+    def propose(self, contexts, ks, sampling):
+        out = []
+        for ctx, k in zip(contexts, ks):
+            row = next(r for r, (p, _) in enumerate(self.refs) if list(ctx[:len(p)]) == p)
+            prompt, ref = self.refs[row]
+            g = len(ctx) - len(prompt)
+            assert list(ctx[len(prompt):]) == ref[:g]
+            length, good = self.plan(row, g)
+            length = min(length, k)
+            good = min(good, length)
+            wrong = (ref[g + good] + 1) % self.vocab if good < length else None
+            out.append(Draft(ref[g:g + good] + [wrong] * (length - good)))
+        return out
+
+
+def _scripted_run(target, prompts, n, plan, k=4):
+    refs = [(p, SpeculativeDecoder(target).generate(p, n + 1).tokens) for p in prompts]
+    dec = SpeculativeDecoder(target, _Scripted(refs, plan, target.vocab_size), k=k)
+    out = dec.generate(prompts if len(prompts) > 1 else prompts[0], n)
+    for g, (_, ref) in zip(out if len(prompts) > 1 else [out], refs):
+        assert g.tokens == ref[:n]
+    return dec, out
+
+
+def test_metrics_of_a_scripted_run_are_exact(target):
+    """Drafts of known length and acceptance: 4 with 2 accepted, 3 all accepted, 2
+    with none, 1 accepted, an empty draft, then a step with no room to draft. Each
+    metric is counted by hand from that."""
+    script = {0: (4, 2), 3: (3, 3), 7: (2, 0), 8: (1, 1), 10: (0, 0)}
+    dec, g = _scripted_run(target, [PROMPTS[0]], 12, lambda row, gen: script[gen])
+    for m in (g.metrics, dec.last_metrics):
+        assert m.tokens == 12 and m.target_steps == 6
+        assert m.draft_n == 4 + 3 + 2 + 1 and m.draft_n_accepted == 2 + 3 + 0 + 1
+        assert m.acceptance_rate == 6 / 10
+        # verified positions: 0-2 of the first draft (its 3rd token failed, its 4th
+        # was never verified), 0-2 of the second, 0 of the third and of the fourth
+        assert m.drafted_at == [4, 2, 2, 0] and m.accepted_at == [3, 2, 1, 0]
+        assert m.per_position_acceptance == [3 / 4, 1.0, 1 / 2, 0.0]
+        # k fixed at 4, cut to the tokens left (12 - generated - 1)
+        assert m.k_chosen == {4: 3, 3: 1, 1: 1, 0: 1} and m.request_steps == 6
+        assert m.mean_accepted_length == 12 / 6
+        decode = m.t_total - m.t_prefill
+        assert 0 < decode < m.t_total
+        assert m.decode_tokens_per_s == pytest.approx(12 / decode, rel=1e-12)
+        assert m.tokens_per_s == pytest.approx(12 / m.t_total, rel=1e-12)
+    # The cost model's prediction, with the run's own acceptance: p0 = 3/4 (position
+    # 0), q = (2 + 1) / (2 + 2) (later positions), E[tokens | k] = 1 + p0 (1 - q^k) / (1 - q).
+    total, ctl = dec.last_metrics, dec.controller
+    p0, q = 3 / 4, 3 / 4
+    steps = {4: 3, 3: 1, 1: 1, 0: 1}
+    want = sum(n * (1 + p0 * (1 - q ** k) / (1 - q)) for k, n in steps.items())
+    assert total.predicted_tokens == pytest.approx(want, rel=1e-12)
+    seconds = sum(n * ctl.step_seconds(k, typical=True) for k, n in steps.items())
+    assert total.predicted_seconds == pytest.approx(seconds, rel=1e-12) and seconds > 0
+    assert total.predicted_tokens_per_s == pytest.approx(want / seconds, rel=1e-12)
+
+
+def test_metrics_properties_by_hand():
+    """The derived metrics from their definitions, on numbers chosen so that each
+    wrong denominator gives another value."""
+    m = decoder.Metrics(tokens=10, draft_n=8, draft_n_accepted=6, t_total=5.0, t_prefill=3.0,
+                        predicted_tokens=9.0, predicted_seconds=3.0)
+    assert m.acceptance_rate == 6 / 8
+    assert m.decode_tokens_per_s == 10 / 2.0 and m.tokens_per_s == 10 / 5.0
+    assert m.predicted_tokens_per_s == 3.0
+    m._count(4, 1)  # positions 0 and 1 verified, 0 passed
+    m._count(3, 3)  # all three verified and passed
+    m._count(2, 0)  # position 0 verified
+    assert m.drafted_at == [3, 2, 1, 0] and m.accepted_at == [2, 1, 1, 0]
+
+
+def test_controller_follows_the_rows_that_survive(target):
+    """Row 0 accepts every draft and finishes first; row 1 never does and runs on.
+    After row 0 leaves, row 1's acceptance statistics are its own: what the
+    controller holds at the end is exactly what a run of row 1 alone leaves (they
+    were the finished row's, which row 1 then kept updating)."""
+    plans = {0: (3, 3), 1: (3, 0)}
+
+    def plan(row, gen):
+        return plans[row]
+
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    dec, out = _scripted_run(target, prompts, 12, plan, k=3)
+    assert out[0].metrics.target_steps < out[1].metrics.target_steps  # row 0 left early
+    plans[0] = plans[1]  # the same plan as row 1's, for the run of row 1 alone
+    alone, _ = _scripted_run(target, [prompts[1]], 12, plan, k=3)
+    got, want = dec.controller._req, alone.controller._req
+    assert len(got) == len(want) == 1
+    assert got[0].stats == want[0].stats
+    assert (got[0].hits, got[0].expected) == (want[0].hits, want[0].expected)
+    assert dec.controller.acceptance(0)[0] < 0.2  # row 1 never accepted (row 0 always did)
+
+
+def test_memory_report_estimate_from_its_definition(target, draft_model):
+    """estimate = target + draft parameters + both KV caches for batch x context
+    tokens (context: the longest prompt plus the new tokens) + overhead (float32
+    logits of a step's max_k + 1 positions, twice, and 20% of the weights);
+    measured total = parameters + KV peaks, the process' RSS reported beside it."""
+    dec = SpeculativeDecoder(target, ModelDrafter(draft_model), k=3)
+    dec.generate([PROMPTS[0], PROMPTS[2]], 6)  # prompts of 8 and 13 tokens
+    rep = dec.memory_report()
+    batch, context = 2, 13 + 6
+    assert (rep["batch"], rep["context"]) == (batch, context)
+
+    def weights(m):
+        return sum(p.numel() * p.element_size() for p in m.model.parameters())
+
+    def kv_per_token(m):  # K and V of every layer, float64
+        cfg = m.model.config
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
+            (cfg.hidden_size // cfg.num_attention_heads) * 8
+
+    assert kv_per_token(target) == 2 * 2 * 2 * 8 * 8 and kv_per_token(draft_model) == 256
+    t_params, d_params = weights(target), weights(draft_model)
+    max_k = dec.controller.max_k
+    assert max_k == 10  # a model drafter's ceiling (k=3 is below it)
+    est = rep["estimate"]
+    want = {"target_params": t_params, "draft_params": d_params,
+            "target_kv": kv_per_token(target) * batch * context,
+            "draft_kv": kv_per_token(draft_model) * batch * context,
+            "overhead": batch * (max_k + 1) * target.vocab_size * 4 * 2
+            + int(0.2 * (t_params + d_params))}
+    assert est == dict(want, total=sum(want.values()))
+    meas = rep["measured"]
+    assert meas["target_kv_peak"] > 0 and meas["draft_kv_peak"] > 0
+    assert meas["process_peak_rss"] > meas["target_params"]
+    assert meas["total"] == (meas["target_params"] + meas["draft_params"]
+                             + meas["target_kv_peak"] + meas["draft_kv_peak"])
+    one = dec.memory_report(batch=1, context=7)["estimate"]
+    assert one["target_kv"] == kv_per_token(target) * 7
+    assert one["draft_kv"] == kv_per_token(draft_model) * 7

@@ -184,7 +184,14 @@ def test_model_drafter_reports_the_distribution_it_sampled():
     # rollback keeps the verified prefix; the next proposal continues from it
     d.rollback([3])
     again = d.propose([ctx + [first.tokens[0]]], [2], [c])[0]
-    assert len(again.tokens) == 2
+    want, prefix = [], ctx + [first.tokens[0]]
+    for _ in range(2):  # the coupled token at each next position, by full forwards
+        with torch.inference_mode():
+            lg = m.model(input_ids=torch.tensor([prefix])).logits[0, -1:].float().numpy()
+        want.append(int(specfast.sample(lg, temperature=1.0, seed=3, position=len(prefix),
+                                        method="coupled")[0]))
+        prefix = prefix + want[-1:]
+    assert again.tokens == want
     assert d.memory()["params"] > 0
 
 
@@ -244,3 +251,60 @@ def test_make_refuses_a_bad_ngram_spec(spec):
 
     with pytest.raises(ValueError, match="ngram:N"):
         make(spec)
+
+
+def test_ngram_candidates_are_the_first_and_last_occurrences():
+    """With more occurrences than ``candidates``, the lookup weighs the first and
+    the last ones: a rewrite's source comes first, the text just written last.
+    Here only the last occurrence of (1, 2, 3) also matches the 8 before it."""
+    ctx = [9, 1, 2, 3, 10, 5, 1, 2, 3, 11, 6, 1, 2, 3, 12, 8, 1, 2, 3, 13, 8, 1, 2, 3]
+    for c in (1, 2, 3, 32):  # one candidate: the last occurrence
+        d = propose(NgramDrafter(candidates=c), ctx, 3)
+        assert d.tokens == [13, 8, 1] and d.match == 4, c
+    # the trees' lookup samples the same: the longest match leads
+    tree = propose(NgramDrafter(candidates=2, branches=2), ctx, 3)
+    assert tree.tokens[0] == 13 and tree.match == 4
+
+
+def test_ngram_select_keeps_each_rows_copy():
+    """After select, a row resumes its own chain's source (the resync), as a
+    drafter started on that row alone does: the source of the dropped row would
+    send it to the first occurrence of its last token."""
+    src = [6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    rows = [[1, 2, 3, 4, 1, 2], src + [50, 1, 2]]
+    later = rows[1] + [3, 4, 6]  # 3 and 4 accepted, the source's 5 skipped
+
+    def drafts(d, start_rows, keep):
+        d.start(start_rows, [Sampling()] * len(start_rows))
+        first = d.propose(start_rows, [5] * len(start_rows), [Sampling()] * len(start_rows))
+        d.rollback([len(r) for r in start_rows[:-1]] + [len(later)])
+        if keep is not None:
+            d.select(keep)
+        return first[-1].tokens, d.propose([later], [3], [Sampling()])[0]
+
+    first, both = drafts(NgramDrafter(), rows, [1])
+    assert first == [3, 4, 5, 6, 7]
+    alone = drafts(NgramDrafter(), rows[1:], None)[1]
+    assert both == alone and both.tokens == [7, 8, 9] and both.match == NgramDrafter.RESYNC_MATCH
+    # the tree drafter resumes the same source after select
+    first, tree = drafts(NgramDrafter(branches=3), rows, [1])
+    assert tree == drafts(NgramDrafter(branches=3), rows[1:], None)[1]
+    assert tree.tokens[:3] == [7, 8, 9] and tree.match == NgramDrafter.RESYNC_MATCH
+
+
+def test_make_ngram_takes_its_longest_ngram():
+    """"ngram:N" sets max_ngram to N, which decides where many short matches hide
+    a longer one: (1, 2, 3) occurs 40 times, too many to weigh them all (the first
+    and last 16 are), and only the 20th follows a 7 as the suffix does."""
+    from specfast.drafters import make
+
+    assert make("ngram").max_ngram == 3 and make("ngram:4").max_ngram == 4
+    assert make("ngram:1").max_ngram == 1 and make("ngram:4").min_ngram == 1
+    ctx = []
+    for j in range(40):
+        ctx += [7 if j == 19 else 20, 1, 2, 3, 100 + j]
+    ctx += [7, 1, 2, 3]
+    four = propose(make("ngram:4"), ctx, 2)
+    assert four.tokens == [119, 20] and four.match == 4
+    three = propose(make("ngram"), ctx, 2)
+    assert three.tokens == [100, 20] and three.match == 3
