@@ -809,7 +809,10 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
     ----------
     logits : array, shape ``(rows, V)``, float32, float16 or bfloat16
     temperature, top_k, top_p, min_p, seed, position : scalar or ``(rows,)``
-        ``position`` is the absolute index of the token being sampled.
+        ``position`` is the absolute index of the token being sampled. The
+        draw is keyed by (seed, position) alone: rows given the same pair draw
+        the same uniforms (identical rows give the same token), so independent
+        rows need their own seed or position.
     method : {"rejection", "coupled"}
         "rejection" draws by inverse CDF; "coupled" draws the Gumbel-max token
         that coupled verification uses at the same (seed, position), so a
