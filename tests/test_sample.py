@@ -6,6 +6,7 @@ copy with its own position (or seed), which is how the random streams are keyed.
 
 import numpy as np
 import pytest
+from scipy import optimize
 
 import specfast as sf
 from reference import (
@@ -17,7 +18,7 @@ from reference import (
     safe_params,
     to_dtype,
 )
-from stats import assert_counts, assert_rate, assert_samples, scaled
+from stats import RESOLUTION, assert_counts, assert_rate, assert_samples, detectable_tv, scaled
 
 METHODS = ["rejection", "coupled"]
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -137,6 +138,52 @@ def test_sample_large_vocab(method, vocab, dtype, filters, rng):
     counts = np.array([(tokens == c).sum() for c in cats] + [(~np.isin(tokens, cats)).sum()])
     assert_counts(counts, np.append(p[cats], max(1 - p[cats].sum(), 0.0)), f"V={vocab} {f}",
                   resolution=0.35, forced=True)  # at V=128256 the 62 draws may fill one bin
+
+
+def tv_draws(df, resolution=RESOLUTION):
+    """The draws a chi-square on ``df`` degrees of freedom needs to see a total
+    variation of ``resolution`` (stats.detectable_tv, solved for the count)."""
+    return int(np.ceil(optimize.brentq(lambda n: detectable_tv(n, df) - resolution,
+                                       10.0, 1e9)))
+
+
+# Each filter alone at V = 32000, cutting to 7 to 10 of 20 graded tokens (top_p's cut
+# counts the tail's mass, a fifth of the row's at T = 0.8).
+LARGE_FILTERED = {
+    "top_k=8": dict(top_k=8),
+    "T=0.8,top_p=0.6": dict(temperature=0.8, top_p=0.6),
+    "T=1.3,min_p=0.3": dict(temperature=1.3, min_p=0.3),
+}
+
+
+@pytest.mark.parametrize("filters", list(LARGE_FILTERED.values()), ids=list(LARGE_FILTERED))
+def test_sample_large_vocab_filtered_distribution(filters, rng):
+    """At V = 32000 each filter keeps a few of 20 graded tokens over a flat tail of
+    all the others (logits near -5.2, 3 and more below the graded ones): rejection
+    draws follow the filtered distribution of tests/reference.py (float64) to a total
+    variation of 1%. 128 copies of the row per call, each at its own position; 1.3e5
+    to 1.4e5 draws, ~12 us each, top_p's ~60 us (its cut scan's passes). The coupled
+    method makes the same cut; test_sample_large_vocab_distribution holds its draw at
+    this vocabulary to 1%, and test_sample_large_vocab its filtered support."""
+    method = "rejection"
+    V, chunk = 32000, 128
+    x = (rng.standard_normal(V) * 0.5 - 5.2).astype(np.float32)
+    graded = rng.choice(V, 20, replace=False)
+    x[graded] = np.linspace(3.0, 0.0, 20, dtype=np.float32)
+    f = resolved(x, filters)
+    p = ref_probs_row(x, **f)
+    kept = np.flatnonzero(p)
+    assert 5 <= kept.size <= 12 and np.isin(kept, graded).all(), kept
+    if "top_p" in filters:  # the tail's mass moves the cut
+        tempered = ref_probs_row(x, temperature=f["temperature"])
+        assert tempered[np.setdiff1d(np.arange(V), graded)].sum() > 0.15
+        assert np.count_nonzero(ref_probs_row(x[graded], **f)) < kept.size
+    n = scaled(tv_draws(kept.size - 1))
+    rows = np.repeat(x[None], chunk, axis=0)
+    tokens = np.concatenate([
+        sf.sample(rows, **f, seed=31, position=np.arange(s, s + chunk), method=method)
+        for s in range(0, n, chunk)])
+    assert_samples(tokens, p, f"{method} V={V} {f}")
 
 
 @pytest.mark.parametrize("vocab", [8, 3000], ids=lambda v: f"V={v}")

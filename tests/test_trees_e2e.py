@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import specfast  # noqa: E402
 from specfast.decoder import SpeculativeDecoder  # noqa: E402
 from specfast.drafters import ModelDrafter, NgramDrafter, Sampling  # noqa: E402
 
@@ -16,6 +17,7 @@ from reference import ref_probs_row  # noqa: E402
 from stats import assert_outcomes, scaled  # noqa: E402
 from test_decoder import (PROMPTS, full_logits, one_thread, reference,  # noqa: E402,F401
                           target, tiny_model, two_token_joint)
+from test_sample import tv_draws  # noqa: E402
 
 
 def path_to(parents, node):
@@ -225,11 +227,12 @@ def test_model_tree_siblings_follow_what_they_report():
     """Over many seeds the root's first two children are distributed as draws without
     replacement: the first from the draft model's filtered distribution q (float64
     reference of a full forward), the second from the filters applied again with the
-    first masked out, q_a; P(a, b) = q(a) q_a(b). Each reports exactly the
-    distribution it was drawn from."""
+    first masked out, q_a (its top 2 holds a token q gives 0); P(a, b) = q(a) q_a(b).
+    Each reports exactly the distribution it was drawn from. top_k = 2 keeps the
+    table at 4 pairs: 1.1e5 drafts (in batches of 500) see a total variation of 1%."""
     model = tiny_model(vocab=12, seed=5, layers=1)
-    params = dict(temperature=0.9, top_k=8)
-    ctx, n = [1, 2, 3, 4], scaled(20_000)
+    params = dict(temperature=0.9, top_k=2)
+    ctx = [1, 2, 3, 4]
     logits = full_logits(model, ctx)[0]
     q = ref_probs_row(logits, **params)
 
@@ -238,29 +241,121 @@ def test_model_tree_siblings_follow_what_they_report():
         masked[a] = -np.inf
         return ref_probs_row(masked, **params)
 
-    s = [Sampling(seed=i, method="rejection", **params) for i in range(n)]
-    draft = ModelDrafter(model, branches=3)
-    draft.start([ctx] * n, s)
-    pairs = []
-    for d in draft.propose([ctx] * n, [3] * n, s):
-        first, second = [j for j, p in enumerate(d.parents) if p == -1][:2]
-        a, b = d.tokens[first], d.tokens[second]
-        np.testing.assert_allclose(d.probs[first], q, atol=2e-6)
-        np.testing.assert_allclose(d.probs[second], without(a), atol=2e-6)
-        pairs.append((a, b))
+    q_without = np.array([without(a) for a in range(logits.size)])
     expected = {}
     for a in np.nonzero(q)[0]:
-        qa = without(a)
-        for b in np.nonzero(qa)[0]:
-            expected[(int(a), int(b))] = q[a] * qa[b]
-    assert_outcomes(pairs, expected, "first two siblings", resolution=0.03)  # 2e4 pairs
+        for b in np.nonzero(q_without[a])[0]:
+            expected[(int(a), int(b))] = q[a] * q_without[a, b]
+    assert len(expected) == 4 and any(q[b] == 0 for _, b in expected)
+    n, chunk = scaled(tv_draws(len(expected) - 1)), 500
+    draft = ModelDrafter(model, branches=3)
+    counts = np.zeros((logits.size, logits.size), np.int64)
+    for start in range(0, n, chunk):  # (few objects held: the collector's passes stay short)
+        s = [Sampling(seed=i, method="rejection", **params)
+             for i in range(start, min(start + chunk, n))]
+        draft.start([ctx] * len(s), s)
+        ab, reported = [], []
+        for d in draft.propose([ctx] * len(s), [3] * len(s), s):
+            first, second = [j for j, p in enumerate(d.parents) if p == -1][:2]
+            ab.append((d.tokens[first], d.tokens[second]))
+            reported.append(d.probs[[first, second]])
+        ab, reported = np.array(ab), np.array(reported)
+        np.testing.assert_allclose(reported[:, 0], np.broadcast_to(q, (len(s), q.size)),
+                                   atol=2e-6)
+        np.testing.assert_allclose(reported[:, 1], q_without[ab[:, 0]], atol=2e-6)
+        np.add.at(counts, (ab[:, 0], ab[:, 1]), 1)
+    observed = {(int(a), int(b)): int(c) for (a, b), c in np.ndenumerate(counts) if c}
+    assert_outcomes(observed, expected, "first two siblings")
+
+
+@pytest.mark.parametrize("sparse_top", [0, 5], ids=["dense", "sparse"])
+def test_tree_rejection_passes_exact_rows_to_verify(target, monkeypatch, sparse_top):
+    """As test_decoder's test_rejection_passes_exact_rows_to_verify for chains, for
+    trees: every verification of a rejection-mode batch gets, per request, a tree
+    (each parent before its children, siblings with distinct tokens), the target's
+    logits after the context and after each node's path, each node's q: the draft
+    model's exact filtered distribution after its parent's path with the earlier
+    siblings masked out (float64 reference of full forwards, no cache), the request's
+    own seed and sampling parameters, and position = context length; the target keeps
+    the path verify accepted (keep_paths gets its accepted nodes, and the next
+    verification's logits, checked against full forwards, hold no other node)."""
+    draft_model = tiny_model(seed=1, layers=1)
+    params = dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.02)
+    q_params = dict(params, top_k=sparse_top or params["top_k"])  # the drafter's own
+    seeds, prompts, n_new = [3, 4], [PROMPTS[0], PROMPTS[2]], 12
+    calls, kept = [], []
+    real, real_keep = specfast._api.verify, target.keep_paths
+
+    def spy(logits, tokens, num_draft, **kw):
+        r = real(logits, tokens, num_draft, **kw)
+        calls.append((np.array(logits), np.array(tokens), np.array(num_draft), kw, r))
+        return r
+
+    def keep_spy(state, nodes, num):
+        kept.append((len(calls), np.array(nodes), np.array(num)))
+        return real_keep(state, nodes, num)
+
+    monkeypatch.setattr(specfast._api, "verify", spy)
+    monkeypatch.setattr(target, "keep_paths", keep_spy)
+    dec = SpeculativeDecoder(target, ModelDrafter(draft_model, sparse_top=sparse_top,
+                                                  branches=3), k=4)
+    out = dec.generate(prompts, n_new, seed=seeds, method="rejection", **params)
+    ctx = [list(p) for p in prompts]
+    live, siblings, deep, accepted = [0, 1], 0, 0, 0
+    for c, (logits, toks, nd, kw, r) in enumerate(calls):
+        assert kw["method"] == "rejection"
+        parents, q = kw["parents"], kw["draft_probs"]
+        keeps = [(nodes, num) for at, nodes, num in kept if at == c + 1]
+        if parents is None:  # a step without drafts (the last token): nothing to keep
+            assert not nd.any() and q is None and not keeps
+            parents = np.zeros(0, np.int32)
+        else:
+            assert len(keeps) == 1
+            np.testing.assert_array_equal(keeps[0][0], r.accepted_nodes)
+            np.testing.assert_array_equal(keeps[0][1], r.num_accepted)
+            if sparse_top:
+                q = q.dense(target.vocab_size)
+        row = off = 0
+        for j, i in enumerate(live):
+            assert kw["position"][j] == len(ctx[i]) and kw["seed"][j] == seeds[i]
+            assert kw["temperature"][j] == np.float32(0.9) and kw["top_k"][j] == 8
+            n, par, tk = int(nd[j]), parents[off:off + nd[j]], toks[off:off + nd[j]]
+            np.testing.assert_allclose(logits[row], full_logits(target, ctx[i])[0],
+                                       rtol=1e-5, atol=1e-5)
+            for a in range(n):
+                assert -1 <= par[a] < a
+                earlier = [int(tk[b]) for b in range(a) if par[b] == par[a]]
+                assert int(tk[a]) not in earlier
+                siblings += bool(earlier)
+                deep += bool(par[a] >= 0)
+                prefix = ctx[i] + [int(tk[x]) for x in path_to(par, a)]
+                np.testing.assert_allclose(logits[row + 1 + a], full_logits(target, prefix)[0],
+                                           rtol=1e-5, atol=1e-5)
+                masked = full_logits(draft_model, prefix[:-1])[0]
+                masked[earlier] = -np.inf
+                np.testing.assert_allclose(q[off + a], ref_probs_row(masked, **q_params),
+                                           atol=2e-6)
+            m = int(r.num_accepted[j])
+            path = [int(v) for v in r.accepted_nodes[j, :m]]
+            assert path == (path_to(par, path[-1]) if m else [])
+            assert [int(t) for t in r.tokens[j, :m]] == [int(tk[v]) for v in path]
+            accepted += m
+            ctx[i] += [int(t) for t in r.tokens[j, :m + 1]]
+            off += n
+            row += n + 1
+        live = [i for i in live if len(ctx[i]) - len(prompts[i]) < n_new]
+    assert not live and siblings > 0 and deep > 0 and accepted > 0
+    assert len(kept) == sum(kw["parents"] is not None for *_, kw, _ in calls)
+    assert [c[len(p):] for c, p in zip(ctx, prompts)] == [g.tokens for g in out]
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 def test_tree_rejection_sampling_is_exact(drafter):
     """The joint distribution of the first two tokens equals the target's when
     every step verifies a tree of deterministic candidates (a smoke test of the loop:
-    6000 generations see 6% of it; test_verify holds the kernel to 1%)."""
+    6000 generations see 6% of it; test_tree_rejection_passes_exact_rows_to_verify
+    pins the inputs of every tree verification exactly, and test_verify holds the
+    kernel to 1%)."""
     target = tiny_model(vocab=6, seed=3, scale=0.4)
     prompt = [1, 2, 1, 3, 1, 2, 4, 1]
     n = scaled(6000)
