@@ -88,6 +88,13 @@ def detectable_tv(n, df, alpha=ALPHA, power=POWER) -> float:
     return 1.0 if seen(1.0) < 0 else float(optimize.brentq(seen, 1e-7, 1.0))
 
 
+def tv_draws(df, resolution=RESOLUTION) -> int:
+    """The draws a chi-square on ``df`` degrees of freedom needs to see a total
+    variation of ``resolution`` (detectable_tv solved for the count)."""
+    return int(np.ceil(optimize.brentq(lambda n: detectable_tv(n, df) - resolution,
+                                       10.0, 1e9)))
+
+
 def _check_power(seen, resolution, what, n, unit):
     if SCALE < 1 or seen <= resolution * (1 + 1e-9):
         return

@@ -6,7 +6,6 @@ copy with its own position (or seed), which is how the random streams are keyed.
 
 import numpy as np
 import pytest
-from scipy import optimize
 
 import specfast as sf
 from reference import (
@@ -18,7 +17,7 @@ from reference import (
     safe_params,
     to_dtype,
 )
-from stats import RESOLUTION, assert_counts, assert_rate, assert_samples, detectable_tv, scaled
+from stats import assert_counts, assert_rate, assert_samples, scaled, tv_draws
 
 METHODS = ["rejection", "coupled"]
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -138,13 +137,6 @@ def test_sample_large_vocab(method, vocab, dtype, filters, rng):
     counts = np.array([(tokens == c).sum() for c in cats] + [(~np.isin(tokens, cats)).sum()])
     assert_counts(counts, np.append(p[cats], max(1 - p[cats].sum(), 0.0)), f"V={vocab} {f}",
                   resolution=0.35, forced=True)  # at V=128256 the 62 draws may fill one bin
-
-
-def tv_draws(df, resolution=RESOLUTION):
-    """The draws a chi-square on ``df`` degrees of freedom needs to see a total
-    variation of ``resolution`` (stats.detectable_tv, solved for the count)."""
-    return int(np.ceil(optimize.brentq(lambda n: detectable_tv(n, df) - resolution,
-                                       10.0, 1e9)))
 
 
 # Each filter alone at V = 32000, cutting to 7 to 10 of 20 graded tokens (top_p's cut

@@ -17,8 +17,8 @@ from reference import (
     sample_rows,
     tree_outcomes,
 )
-from stats import (assert_counts, assert_outcomes, assert_rate, assert_samples,
-                   assert_transitions, detectable_tv)
+from stats import (RESOLUTION, assert_counts, assert_outcomes, assert_rate, assert_samples,
+                   assert_transitions, detectable_tv, tv_draws)
 
 LN2 = math.log(2.0)
 
@@ -132,6 +132,12 @@ def test_power_is_what_detectable_tv_says():
     assert_counts([500, 0], [1.0, 0.0], forced=True)
     with pytest.raises(AssertionError, match="zero-probability"):
         assert_counts([499, 1], [1.0, 0.0], forced=True)
+
+
+@pytest.mark.parametrize("df", [1, 8, 63])
+def test_tv_draws_is_the_least_count_that_sees_the_resolution(df):
+    n = tv_draws(df)
+    assert detectable_tv(n, df) <= RESOLUTION < detectable_tv(n - 1, df)
 
 
 def test_helpers_reject_draws_on_zero_probability():

@@ -14,10 +14,9 @@ from specfast.decoder import SpeculativeDecoder  # noqa: E402
 from specfast.drafters import ModelDrafter, NgramDrafter, Sampling  # noqa: E402
 
 from reference import ref_probs_row  # noqa: E402
-from stats import assert_outcomes, scaled  # noqa: E402
+from stats import assert_outcomes, scaled, tv_draws  # noqa: E402
 from test_decoder import (PROMPTS, full_logits, one_thread, reference,  # noqa: E402,F401
                           target, tiny_model, two_token_joint)
-from test_sample import tv_draws  # noqa: E402
 
 
 def path_to(parents, node):

@@ -42,8 +42,8 @@ from reference import (
 )
 from scipy import stats as sps
 from stats import (ALPHA, POWER, RESOLUTION, SCALE, assert_outcomes, assert_rate,
-                   assert_samples, assert_transitions, chi2_table, detectable_tv, scaled)
-from test_sample import tv_draws
+                   assert_samples, assert_transitions, chi2_table, detectable_tv, scaled,
+                   tv_draws)
 
 B_FIXED = scaled(300_000)  # copies of one request with fixed drafts
 B_TOY = scaled(150_000)  # requests with random drafts
