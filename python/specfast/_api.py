@@ -412,7 +412,7 @@ def _params(f, batch, temperature, top_k, top_p, min_p, seed, position, keep):
         except OverflowError:  # an int beyond any float: the path below says which
             pass
         else:
-            if not floats[0] and temperature > 0:  # below float32's range: see _as_float
+            if 0 < temperature < _F32_TINY:  # below float32's range: see _as_float
                 floats[0] = _F32_TINY
             ints[0] = top_k
             ints[2] = position
@@ -578,15 +578,32 @@ def _param_detail(param_values, index) -> str:
 
 
 def _raise(status, what, index, param_values, draft=None):
+    check(status, what, index, _failure_detail(status, index, param_values, draft))
+
+
+def _failure_detail(status, index, param_values, draft=None):
+    """What a failed call's message adds for request index: the parameters for
+    SF_ERR_PARAM, the draft node for the draft checks (draft: verify's (tokens,
+    num_draft, parents, probs, vocab)), else None. For either backend."""
     if status == lib().SF_ERR_PARAM:
-        detail = _param_detail(param_values, index)
-    else:
-        detail = _draft_detail(status, index, *draft) if draft and index >= 0 else None
-    check(status, what, index, detail)
+        return _param_detail(param_values, index)
+    return _draft_detail(status, index, *draft) if draft and index >= 0 else None
 
 
 def _host(x):
     return x.detach().cpu().numpy() if _is_torch(x) else x
+
+
+def _q_ok(v):
+    """shared.h's sf_prob_ok on float32 values: a draft probability in [0, 1.001]."""
+    return (v >= 0) & (v <= np.float32(1.001))
+
+
+def _sum_off(v) -> str | None:
+    """The sum of probabilities v where it is not 1 within 1e-3 (the kernels'
+    rule), for a message; else None."""
+    total = float(np.sum(v, dtype=np.float64))
+    return None if abs(total - 1.0) <= 1e-3 else f"sums to {total!r}, not 1 within 1e-3"
 
 
 def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
@@ -608,33 +625,29 @@ def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
         if isinstance(probs, tuple):  # sparse: (ids, values)
             ids = _host(probs[0])[n0 + j]
             val = _host(probs[1])[n0 + j].astype(np.float32)
-            bad = (ids < -1) | (ids >= vocab) | ~((val >= 0) & (val <= _Q_MAX))
-            bad |= (ids == -1) & (val != 0)
-            if bad.any():
-                a = int(np.flatnonzero(bad)[0])
+            bad = np.flatnonzero((ids < -1) | (ids >= vocab) | ~_q_ok(val)
+                                 | ((ids == -1) & (val != 0)))
+            if bad.size:
+                a = bad[0]
                 return (f"node {j}: slot {a} holds token {int(ids[a])} with probability "
                         f"{float(val[a])!r} (ids in [-1, {vocab}), values in [0, 1.001], "
                         "0 for an unused -1)")
             if _repeats(ids[None]):
                 return f"node {j}: a token id appears twice"
-            total = float(np.sum(val, dtype=np.float64))
-            if not abs(total - 1.0) <= 1e-3:
-                return f"node {j}: the probabilities sum to {total!r}, not 1 within 1e-3"
+            off = _sum_off(val)
+            if off:
+                return f"node {j}: the probabilities {off}"
             continue
         row = _host(probs)[n0 + j].astype(np.float32)
-        if 0 <= t < vocab and not _Q_MIN <= row[t] <= _Q_MAX:
-            return f"node {j}: draft_probs at its token {t} is {float(row[t])!r}, not in [0, 1.001]"
-        bad = np.flatnonzero(~((row >= 0) & (row <= _Q_MAX)))
+        bad = np.flatnonzero(~_q_ok(row))
         if bad.size:
-            return (f"node {j}: draft_probs at token {int(bad[0])} is {float(row[bad[0]])!r}, "
-                    "not in [0, 1.001]")
-        total = float(np.sum(row, dtype=np.float64))
-        if not abs(total - 1.0) <= 1e-3:
-            return f"node {j}: draft_probs sums to {total!r}, not 1 within 1e-3"
+            at = t if 0 <= t < vocab and not _q_ok(row[t]) else int(bad[0])
+            return (f"node {j}: draft_probs at {'its token' if at == t else 'token'} {at} "
+                    f"is {float(row[at])!r}, not in [0, 1.001]")
+        off = _sum_off(row)
+        if off:
+            return f"node {j}: draft_probs {off}"
     return None
-
-
-_Q_MIN, _Q_MAX = np.float32(0), np.float32(1.001)  # shared.h's sf_prob_ok
 
 
 def _repeats(ids) -> bool:

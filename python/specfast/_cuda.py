@@ -47,8 +47,9 @@ import numpy as np
 
 from ._cdef import CDEF
 from ._api import (_BF16_SUM_SLACK, _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array,
-                   _as_float, _draft_detail, _first_bad_param, _is_int, _lift_temperatures,
-                   _method, _param_detail, _scalar, _strided, _torch, _which)
+                   _as_float, _failure_detail, _first_bad_param, _is_int,
+                   _lift_temperatures, _method, _param_detail, _scalar, _strided, _torch,
+                   _which)
 from ._lib import fix_for, library_path, open_library
 
 CUDA_CDEF = """
@@ -380,12 +381,8 @@ def _raise_device(status, what, params, draft=None):
     order = (s[bad] >> 8) * (1 << 40) + bad
     index = int(bad[np.argmin(order)])
     code = int(s[index] & 255)
-    if code == 3:
-        detail = _param_detail(params, index)
-    else:
-        detail = _draft_detail(code, index, *draft) if draft and code in (6, 7, 8) else None
     # Shape errors concern the whole call on the CPU backend.
-    check(code, what, -1 if code == 2 else index, detail)
+    check(code, what, -1 if code == 2 else index, _failure_detail(code, index, params, draft))
 
 
 def _want_check(check):
