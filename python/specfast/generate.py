@@ -22,18 +22,27 @@ def _draft_length(text):
     return text if text == "auto" else _count(0, _MAX_DRAFT)(text)
 
 
+# The options of a remote drafter, with their defaults: another drafter refuses
+# them (rather than ignore them) where they differ.
+_REMOTE_ONLY = dict(payload="tokens", payload_top_k=8, lookahead=8, token_file=None,
+                    tls_ca=None)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="HF folder, hub id or .gguf file (default: embedded SmolLM2)")
     parser.add_argument("--drafter", default="ngram",
                         help="'ngram', 'ngram:N', 'none', a draft model folder/.gguf, or "
                              "'remote:HOST:PORT' (a specfast serve-drafter)")
-    parser.add_argument("--payload", choices=["tokens", "topk", "dense"], default="tokens",
+    parser.add_argument("--payload", choices=["tokens", "topk", "dense"],
+                        default=_REMOTE_ONLY["payload"],
                         help="what a remote drafter sends per drafted token")
     # 1024: remote.server.MAX_TOP_K (that module needs protobuf, an optional extra)
-    parser.add_argument("--payload-top-k", type=_count(1, 1024), default=8, metavar="K",
+    parser.add_argument("--payload-top-k", type=_count(1, 1024),
+                        default=_REMOTE_ONLY["payload_top_k"], metavar="K",
                         help="ids and probabilities per drafted token with --payload topk")
-    parser.add_argument("--lookahead", type=_count(0, _MAX_DRAFT), default=8,
+    parser.add_argument("--lookahead", type=_count(0, _MAX_DRAFT),
+                        default=_REMOTE_ONLY["lookahead"],
                         help="tokens a remote drafter drafts ahead while the target verifies")
     parser.add_argument("--token-file", default=None,
                         help="file holding the token a remote drafter requires")
@@ -121,11 +130,9 @@ def run(args) -> int:
         refused = (RemoteError,)
         options = remote_options(args)  # before the model loads
     else:
-        given = [flag for flag, value, default in (
-            ("--payload", args.payload, "tokens"), ("--payload-top-k", args.payload_top_k, 8),
-            ("--lookahead", args.lookahead, 8), ("--token-file", args.token_file, None),
-            ("--tls-ca", args.tls_ca, None)) if value != default]
-        if given:  # not silently ignored
+        given = ["--" + k.replace("_", "-") for k, default in _REMOTE_ONLY.items()
+                 if getattr(args, k) != default]
+        if given:
             raise SystemExit(f"{', '.join(given)}: only with --drafter remote:HOST:PORT")
         if not (is_ngram(args.drafter) or args.drafter == "none"
                 or os.path.exists(args.drafter)):
