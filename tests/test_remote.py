@@ -1300,7 +1300,7 @@ def test_the_lookahead_drafts_lookahead_tokens_past_its_assumption():
 @pytest.mark.parametrize("max_tokens, sent", [(13, True), (12, False)])
 def test_the_lookahead_counts_the_steps_drafts_against_max_tokens(max_tokens, sent):
     """A prompt of 5, a step draft of 3 and a look-ahead of 4 + 1 hold 13 tokens:
-    at max_tokens=13 the look-ahead goes out, at 12 it does not (the step's own
+    at max_tokens=13 the look-ahead goes out, at 12 an empty one (the step's own
     drafts take what the limit leaves), and the next reply is the next step's."""
     server, port = serve(lambda: _Ramp(), max_tokens=max_tokens)
     send, replies, close = _live_session(port)
@@ -1310,11 +1310,12 @@ def test_the_lookahead_counts_the_steps_drafts_against_max_tokens(max_tokens, se
         send(_step(1, [([], 3)]))
         drafts = next(replies).drafts
         assert not drafts.ahead and list(drafts.drafts[0].tokens) == [5, 6, 7]  # uncut
+        ahead = next(replies).drafts
+        assert ahead.ahead and ahead.step == 1
         if sent:
-            ahead = next(replies).drafts
-            assert ahead.ahead and list(ahead.drafts[0].tokens) == [9, 10, 11, 12]
-        else:
-            time.sleep(0.5)  # room for a look-ahead to go out before the next step
+            assert list(ahead.drafts[0].tokens) == [9, 10, 11, 12]
+        else:  # said empty: a client whose drafts were all accepted waits for it
+            assert len(ahead.drafts) == 0
         send(_step(2, [([], 0)]))
         nxt = next(replies).drafts
         assert nxt.step == 2 and not nxt.ahead, nxt
@@ -1351,3 +1352,92 @@ def test_bytes_per_step_counts_both_directions(target):
     finally:
         d.close()
         server.stop(0)
+
+
+@pytest.mark.parametrize("max_tokens", [12, 4096], ids=["past-the-limit", "within"])
+def test_a_lookahead_the_server_cannot_draft_costs_no_wait(target, max_tokens):
+    """Every draft accepted, the client waits for the look-ahead before its next
+    step; where the server's limits leave it none to draft it says so (an empty
+    one), so the step goes out at once: it waited out the whole timeout, then
+    dropped the session and drafted locally."""
+    server, port = serve(lambda: _Ramp(), max_tokens=max_tokens)
+    d = remote(port, target, timeout=3.0, lookahead=4)
+    try:
+        ctx = [[1, 2, 3, 4, 5]]
+        d.start(ctx, [Sampling()])
+        first = d.propose(ctx, [3], [Sampling()])[0].tokens  # [5, 6, 7]
+        ctx = [ctx[0] + first + [8]]  # all accepted, then the target's own token
+        t0 = time.monotonic()
+        d.propose(ctx, [3], [Sampling()])
+        assert time.monotonic() - t0 < 1.5
+        assert d.stats.steps == 2 and not d.stats.failures, d.stats.failures
+    finally:
+        d.close()
+        server.stop(0)
+
+
+def test_an_interrupt_awaiting_the_welcome_frees_the_servers_worker(target, monkeypatch):
+    """Ctrl-C while a session opens (the welcome not yet read) closes its stream:
+    the server's one worker was held until its idle limit, and every other
+    client drafted locally meanwhile."""
+    from specfast.remote import client
+
+    server, port = serve(lambda: NgramDrafter(), workers=1)
+    receive = client._Stream.receive
+
+    def interrupted(self, deadline=None):
+        raise KeyboardInterrupt
+
+    ctx = [[1, 2, 3, 1, 2]]
+    d, other = remote(port, target), remote(port, target)
+    try:
+        monkeypatch.setattr(client._Stream, "receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            d.start(ctx, [Sampling()])
+        monkeypatch.setattr(client._Stream, "receive", receive)
+        for _ in range(50):  # the server sees the cancel at once; allow a slow machine
+            other.start(ctx, [Sampling()])
+            if other.stats.sessions:
+                break
+            other._next_try = 0.0
+            time.sleep(0.1)
+        assert other.stats.sessions == 1, other.stats.failures
+    finally:
+        d.close()
+        other.close()
+        server.stop(0)
+
+
+def test_a_refusal_of_generated_ids_drafts_around(target):
+    """A draft model with fewer ids than the target: a session opened mid-generation
+    (the first try after a backoff) sends contexts holding generated ids past the
+    draft vocabulary, which the server refuses. That refusal is the generation's, not
+    a setting to fix: it drafts locally (it raised, ending the generation). Prompt ids
+    past it at the first try still raise (test_a_refusal_at_a_generations_first_try_raises
+    for the rule)."""
+    import socket
+
+    small = tiny_model(vocab=40, seed=1)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    d = remote(port, target, timeout=3.0, retry=0.5)
+    server = None
+    try:
+        prompt = [[1, 2, 3, 1, 2]]
+        d.start(prompt, [Sampling()])  # nothing listens yet: a failure, then a backoff
+        server, _ = serve(lambda: ModelDrafter(small), port=port)
+        d.start(prompt, [Sampling()])  # within the backoff: no try
+        time.sleep(0.6)
+        grown = [prompt[0] + [45, 3]]  # a generated id the draft model lacks
+        d.propose(grown, [2], [Sampling()])
+        assert d.stats.sessions == 0 and d.stats.local_steps == 1
+        assert "[0, 40)" in d.stats.failures[-1], d.stats.failures
+        d._next_try = 0.0
+        with pytest.raises(RemoteError, match=r"\[0, 40\)"):
+            d.start(grown, [Sampling()])  # the same ids as a prompt: said
+    finally:
+        d.close()
+        if server is not None:
+            server.stop(0)

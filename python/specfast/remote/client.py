@@ -221,6 +221,7 @@ class RemoteDrafter(Drafter):
         self._next_try = 0.0
         self._failed = 0  # tries failed in a row
         self._strict = False  # the next try is the generation's first (see _connect)
+        self._prompt_lens: list = []
         self._contexts: list = []
         self._sampling: list = []
         self._new_session()
@@ -239,6 +240,7 @@ class RemoteDrafter(Drafter):
     def start(self, contexts, sampling):
         self.fallback.start(contexts, sampling)
         self._contexts = [list(c) for c in contexts]
+        self._prompt_lens = [len(c) for c in contexts]
         self._sampling = list(sampling)
         self.stats = TransferStats()  # per generation
         self._close()
@@ -311,9 +313,12 @@ class RemoteDrafter(Drafter):
     def _connect(self):
         """Opens a session with the current contexts; on failure, retry later.
         The generation's first try (at its start, or its first step after a
-        backoff) raises a refusal (version, token, payload) as RemoteError: a
-        configuration error is said, not decoded around."""
-        strict, self._strict = self._strict, False
+        backoff) raises a refusal (version, token, payload, prompt ids) as
+        RemoteError: a configuration error is said, not decoded around. Once
+        tokens were generated a refusal may be theirs (ids past a smaller
+        draft vocabulary), so a later first try drafts around it too."""
+        strict = self._strict and [len(c) for c in self._contexts] == self._prompt_lens
+        self._strict = False
         stream = None
         try:
             stream = _Stream(self._stub, self.timeout, self.auth_token)
@@ -338,6 +343,10 @@ class RemoteDrafter(Drafter):
             if strict and isinstance(e, RemoteError):
                 raise
             return
+        except BaseException:  # Ctrl-C awaiting the welcome: free the server's worker
+            if stream is not None:
+                stream.close()
+            raise
         self._stream = stream
         self.remote_name = reply.welcome.drafter
         self.stats.sessions += 1
@@ -408,7 +417,8 @@ class RemoteDrafter(Drafter):
         deadline = time.monotonic() + self.timeout  # the whole step's wait
         self._collect(self._step, block=False)
         ahead = None
-        if self._select is None and self.lookahead and self._accepted_all(contexts, ks):
+        if (self._select is None and self.lookahead and any(ks)
+                and self._accepted_all(contexts, ks)):
             # the look-ahead may serve: it is on its way (the drafter started it
             # before this step was sent, so a fresh request would wait for it too)
             self._collect(self._step, block=False, ahead=True, deadline=deadline)

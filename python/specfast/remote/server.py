@@ -204,20 +204,24 @@ class _Session:
         return out
 
     def ahead(self):
-        """The look-ahead of the last step, or None: for each request whose draft
-        is a chain, the next draft assuming all of it is accepted followed by the
-        drafter's own next token (drafted here while the target verifies)."""
-        chains = [d.tokens and d.parents is None for d in self.last]
-        if not self.lookahead or not any(chains):
+        """The look-ahead of the last step (None when look-ahead is off): for
+        each request whose draft is a chain, the next draft assuming all of it
+        is accepted followed by the drafter's own next token (drafted here while
+        the target verifies). Sent even empty, where there is none to draft: a
+        client whose drafts were all accepted waits for it."""
+        if not self.lookahead:
             return None
+        out = pb.Drafts(step=self.step, ahead=True)
+        chains = [d.tokens and d.parents is None for d in self.last]
+        if not any(chains):
+            return out
         contexts = [ctx + list(d.tokens) if c else ctx
                     for ctx, d, c in zip(self.contexts, self.last, chains)]
         ks = [self.lookahead + 1 if c else 0 for c in chains]
         held = self.held + sum(len(d.tokens) for d in self.last)
         if self._budget(ks, held) != ks:
-            return None  # the step's own drafts took what the limits leave
+            return out  # the step's own drafts took what the limits leave
         drafts = self.drafter.propose(contexts, ks, self.sampling)
-        out = pb.Drafts(step=self.step, ahead=True)
         for d, last, c in zip(drafts, self.last, chains):
             if not c or len(d.tokens) < 2:
                 out.drafts.add()
