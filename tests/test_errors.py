@@ -791,6 +791,9 @@ def test_draft_errors_name_the_node_and_what_was_wrong():
     vals = np.array([[1.0, 0.0], [1.0, 0.0], [0.5, 0.5]])
     raises(lambda: sf.verify(**dict(kw, draft_probs=sf.SparseProbs(ids, vals))),
            r"request 2\): node 0: a token id appears twice")
+    vals = np.array([[1.0, 0.0], [0.5, 0.0], [0.0, 0.0]])
+    raises(lambda: sf.verify(**dict(kw, draft_probs=sf.SparseProbs(ids, vals))),
+           r"request 0\): node 1: the probabilities sum to 0.5, not 1 within 1e-3")
 
 
 def test_ml_dtypes_bfloat16_parameters_and_draft_probs():

@@ -600,10 +600,10 @@ def _q_ok(v):
 
 
 def _sum_off(v) -> str | None:
-    """The sum of probabilities v where it is not 1 within 1e-3 (the kernels'
-    rule), for a message; else None."""
+    """The sum of probabilities v and what is wrong with it, where it is not 1
+    within 1e-3 (the kernels' rule), for a message; else None."""
     total = float(np.sum(v, dtype=np.float64))
-    return None if abs(total - 1.0) <= 1e-3 else f"sums to {total!r}, not 1 within 1e-3"
+    return None if abs(total - 1.0) <= 1e-3 else f"{total!r}, not 1 within 1e-3"
 
 
 def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
@@ -636,7 +636,7 @@ def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
                 return f"node {j}: a token id appears twice"
             off = _sum_off(val)
             if off:
-                return f"node {j}: the probabilities {off}"
+                return f"node {j}: the probabilities sum to {off}"
             continue
         row = _host(probs)[n0 + j].astype(np.float32)
         bad = np.flatnonzero(~_q_ok(row))
@@ -646,7 +646,7 @@ def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
                     f"is {float(row[at])!r}, not in [0, 1.001]")
         off = _sum_off(row)
         if off:
-            return f"node {j}: draft_probs {off}"
+            return f"node {j}: draft_probs sums to {off}"
     return None
 
 
