@@ -194,6 +194,29 @@ def test_probs_strided_and_reordered_input(rng, dtype):
     )
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["e=1/2", "e-just-below-1/2"])
+def test_top_p_cut_inside_a_large_tie_at_a_power_of_two(rng, half):
+    """One token of weight 1, 10000 of 1/2, 29999 of 1/4 (logits -1, -2 at T = 1/ln 2,
+    so e lies on, or a rounding below, the powers of two where the top-p search's
+    buckets of e begin): top_p=0.5 keeps the max, every 1/2 and the 4998 lowest ids of
+    the 1/4s (the prefix mass 1 + 5000 + 4998/4 first reaches half of 12500.75)."""
+    V = 40000
+    logits = np.full(V, -2.0, np.float32)
+    ids = rng.permutation(V)
+    logits[ids[0]] = 0.0
+    logits[ids[1:10001]] = -1.0
+    temperature = np.float32(1 / math.log(2.0))
+    if half:
+        temperature = np.nextafter(temperature, np.float32(0))  # c a hair above 1
+    got = sf.probs(logits[None], temperature=float(temperature), top_p=0.5)[0]
+    quarters = np.sort(ids[10001:])
+    kept = np.zeros(V, bool)
+    kept[ids[:10001]] = True
+    kept[quarters[:4998]] = True
+    np.testing.assert_array_equal(got > 0, kept)
+    np.testing.assert_allclose(got[kept].sum(), 1.0, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("vocab", [7, 32000], ids=lambda v: f"V={v}")
 def test_probs_lower_precision_input_is_exact(rng, vocab):
     """float16 / bfloat16 logits give what float32 logits of the same values give."""

@@ -5,11 +5,16 @@
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "rowmath.h"
 
-/* Tokens between two pivots of a cut scan that are sorted, not bisected. */
-#define SF_TOP_P_SORT 4096
+/* Tokens between two pivots of a top-k cut scan that are sorted, not bisected. */
+#define SF_TOP_K_SORT 4096
+/* Buckets of top_p's histogram: a token's e (in (0, 1]) by its float bits
+ * past 7 mantissa bits, 128 a power of two, in logit order (e is monotone). */
+#define SF_TOP_P_SHIFT 16
+#define SF_TOP_P_BUCKETS ((0x3F800000 >> SF_TOP_P_SHIFT) + 1)
 /* Up to this top_k a one-pass reservoir finds the cut; above, a cut scan. */
 #define SF_TOP_K_RESERVOIR 4096
 
@@ -226,26 +231,64 @@ static void mass_above(const sf_kernels *k, const sf_row *r, float t, int32_t id
     *count = o.kept;
 }
 
-/* The cut of a prefix that reaches a goal over the whole row: a mass (top-p)
- * or, when goal_count > 0, a count (a large top-k). Bisects on the logit until
- * few tokens lie between the pivots, then sorts just those. Counts and masses
- * are exact integers, so the cut is the same whatever the order of the
- * passes. Tokens below max - 128 / c weigh 0 (2^-128 of the max): a cut
- * among them changes no probability, so a count reaching below there cuts
- * at that floor; it still cuts (a cut reads q only at kept tokens, and does
- * not check its sum) where the row has goal_count finite logits, as the
- * reservoir's cut and CUDA's do. */
-static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
-                          double goal_mass, int64_t goal_count) {
+/* top_p's cut among the tokens the row keeps (under a top-k cut, if any): the
+ * shortest prefix in rank order whose mass reaches top_p of theirs. One
+ * weights pass stores each token's e; the exact weights summed by e's float
+ * bits (monotone in the logit, so a bucket is a range of logits and equal
+ * logits share one) show the bucket where the prefix reaches the goal, and
+ * only its tokens are gathered and sorted: the same cut as sorting the whole
+ * row, since the masses are exact integers. A prefix reaches the goal at a
+ * token of positive weight, so tokens of e = 0 (bucket 0) never matter. */
+static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float top_p) {
+    const int64_t n = r->vocab;
+    const size_t e_bytes = ((size_t)n * 4 + 63) & ~(size_t)63;
+    char *buf = sf_scratch_get(s, SF_SLOT_CUT, e_bytes + SF_TOP_P_BUCKETS * 8);
+    if (!buf) return SF_ERR_NO_MEMORY;
+    float *e = (float *)buf;
+    uint64_t *mass = (uint64_t *)(buf + e_bytes);
+    sf_weights_in in = {NULL, 1.0f, NULL, 0, 0}; /* min_e is not set yet */
+    sf_weights_out o;
+    weights_all(k, r, &in, NULL, e, &o);
+    const double goal = (double)top_p * (double)o.total;
+    memset(mass, 0, SF_TOP_P_BUCKETS * 8);
+    for (int64_t v = 0; v < n; v++) mass[sf_f2u(e[v]) >> SF_TOP_P_SHIFT] += sf_fixed(e[v]);
+    uint64_t above = 0;
+    uint32_t b = SF_TOP_P_BUCKETS - 1;
+    while (b > 0 && (double)(above + mass[b]) < goal) above += mass[b--];
+    if (b == 0) return SF_OK; /* unreachable: the buckets hold the total */
+    /* The bucket's tokens: e in [b, b + 1) << SHIFT, found in e as a row. */
+    const sf_row er = {.data = e, .dtype = SF_F32, .vocab = n};
+    const float e_lo = sf_u2f(b << SF_TOP_P_SHIFT), e_hi = sf_u2f((b + 1) << SF_TOP_P_SHIFT);
+    int64_t m = k->gather(&er, e_lo, e_hi, NULL, NULL, 0);
+    int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)m * 4 + 4);
+    float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)m * 4 + 4);
+    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)m * 8 + 8);
+    if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
+    m = k->gather(&er, e_lo, e_hi, ids, vals, m);
+    for (int64_t i = 0; i < m; i++) vals[i] = sf_load(r->data, r->dtype, ids[i]);
+    sort_candidates(ids, vals, m, keys);
+    cut_at_goal(r, keys, m, above, 0, goal, 0);
+    return SF_OK;
+}
+
+/* A large top-k's cut (past the reservoir): the first goal_count tokens in
+ * rank order. Bisects on the logit until few tokens lie between the pivots,
+ * then sorts just those. Counts are exact, so the cut is the same whatever
+ * the order of the passes. Tokens below max - 128 / c weigh 0 (2^-128 of the
+ * max): a cut among them changes no probability, so a count reaching below
+ * there cuts at that floor; it still cuts (a cut reads q only at kept tokens,
+ * and does not check its sum) where the row has goal_count finite logits, as
+ * the reservoir's cut and CUDA's do. */
+static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s, int64_t goal_count) {
     float lo = r->max - 128.0f / r->c;
     if (!(lo > -FLT_MAX)) lo = -FLT_MAX;
-    uint64_t m_hi = 0, m_mid;
+    uint64_t mass;
     int64_t c_lo, c_hi = 0, c_mid;
-    mass_above(k, r, lo, INT32_MAX, &m_mid, &c_lo);
-    if (goal_count > 0 && c_lo <= goal_count) {
+    mass_above(k, r, lo, INT32_MAX, &mass, &c_lo);
+    if (c_lo <= goal_count) {
         int64_t finite = c_lo;
         if (c_lo < goal_count && lo > -FLT_MAX)
-            mass_above(k, r, -FLT_MAX, INT32_MAX, &m_mid, &finite);
+            mass_above(k, r, -FLT_MAX, INT32_MAX, &mass, &finite);
         if (finite >= goal_count) {
             r->cut_logit = lo;
             r->cut_id = INT32_MAX;
@@ -255,11 +298,10 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
     float hi = INFINITY;
     for (;;) {
         float mid = hi == INFINITY ? r->max : lo * 0.5f + hi * 0.5f;
-        if (c_lo - c_hi <= SF_TOP_P_SORT || mid <= lo || mid >= hi) break;
-        mass_above(k, r, mid, INT32_MAX, &m_mid, &c_mid);
-        int reached = goal_count > 0 ? c_mid >= goal_count : (double)m_mid >= goal_mass;
-        if (reached) { lo = mid; c_lo = c_mid; }
-        else { hi = mid; m_hi = m_mid; c_hi = c_mid; }
+        if (c_lo - c_hi <= SF_TOP_K_SORT || mid <= lo || mid >= hi) break;
+        mass_above(k, r, mid, INT32_MAX, &mass, &c_mid);
+        if (c_mid >= goal_count) { lo = mid; c_lo = c_mid; }
+        else { hi = mid; c_hi = c_mid; }
     }
     const int64_t n = c_lo - c_hi;
     int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4 + 4);
@@ -269,7 +311,7 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s,
     int64_t got = k->gather(r, lo, hi, ids, vals, n);
     if (got > n) got = n;
     sort_candidates(ids, vals, got, keys);
-    cut_at_goal(r, keys, got, m_hi, c_hi, goal_mass, goal_count);
+    cut_at_goal(r, keys, got, 0, c_hi, 0.0, goal_count);
     return SF_OK;
 }
 
@@ -342,7 +384,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         if (m == -INFINITY) return SF_ERR_ALL_MASKED;
         r->max = m;
         if (p->top_k > 0 && p->top_k < vocab) {
-            sf_status st = cut_scan(r, k, s, 0.0, p->top_k);
+            sf_status st = cut_scan(r, k, s, p->top_k);
             if (st != SF_OK) return st;
         }
     }
@@ -352,11 +394,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
             for (int64_t i = 0; i < nc; i++) total += mass_of(r, key_logit(keys[i]));
             cut_at_goal(r, keys, nc, 0, 0, (double)p->top_p * (double)total, 0);
         } else {
-            /* The mass of what top-k kept (the whole row without top-k). */
-            uint64_t kept_mass;
-            int64_t kept_count;
-            mass_above(k, r, r->cut_logit, r->cut_id, &kept_mass, &kept_count);
-            sf_status st = cut_scan(r, k, s, (double)p->top_p * (double)kept_mass, 0);
+            sf_status st = cut_top_p(r, k, s, p->top_p);
             if (st != SF_OK) return st;
         }
     }

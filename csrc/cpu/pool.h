@@ -10,15 +10,15 @@
 
 #include "specfast.h"
 
-typedef struct sf_scratch {
-    void *buf[8];
-    size_t cap[8];
-    int64_t upcoming; /* the item this thread runs next, or -1 */
-} sf_scratch;
-
 /* Slots of sf_scratch, each grown on demand by sf_scratch_get. */
 enum { SF_SLOT_BLOCKS, SF_SLOT_RESID, SF_SLOT_IDS, SF_SLOT_VALS, SF_SLOT_KEYS,
-       SF_SLOT_OVER_ID, SF_SLOT_OVER_W, SF_SLOT_TREE };
+       SF_SLOT_OVER_ID, SF_SLOT_OVER_W, SF_SLOT_TREE, SF_SLOT_CUT, SF_SLOTS };
+
+typedef struct sf_scratch {
+    void *buf[SF_SLOTS];
+    size_t cap[SF_SLOTS];
+    int64_t upcoming; /* the item this thread runs next, or -1 */
+} sf_scratch;
 
 /* A buffer of at least `bytes` in `slot`, or NULL when memory runs out. */
 void *sf_scratch_get(sf_scratch *s, int slot, size_t bytes);
