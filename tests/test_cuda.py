@@ -413,6 +413,28 @@ def test_check_names_the_lowest_bad_request_wherever_its_values_are():
         _cuda.sample(to_torch(x[:3]), check=True, top_p=to_torch(top_p), min_p=min_p)
 
 
+def test_top_k_and_seed_arrays_are_refused_as_on_the_cpu():
+    """A negative top_k (host-held, or device-held with check=True) is refused with the
+    CPU's words and before any request's other faults (request 0's temperature here),
+    and a negative device-held seed names its request: the same message as the CPU's."""
+    x = np.zeros((4, 40), np.float32)  # 2 requests, 1 draft each
+    tokens, nd = np.array([1, 2], np.int32), np.array([1, 1])
+    bad = dict(temperature=np.array([-1.0, 1.0], np.float32), top_k=np.array([0, -1]))
+    with pytest.raises(ValueError, match=r"top_k must be in \[0, 2\^31\) \(request 1: -1\)") as cpu:
+        sf.verify(x, tokens, nd, **bad)
+    for top_k in (bad["top_k"], to_torch(bad["top_k"])):
+        with pytest.raises(ValueError) as gpu:
+            _cuda.verify(to_torch(x), to_torch(tokens), nd, check=True,
+                         **dict(bad, top_k=top_k))
+        assert str(gpu.value) == str(cpu.value)
+    seed = np.array([3, -1])
+    with pytest.raises(ValueError) as cpu:
+        sf.verify(x, tokens, nd, seed=seed)
+    with pytest.raises(ValueError) as gpu:
+        _cuda.verify(to_torch(x), to_torch(tokens), nd, seed=to_torch(seed), check=True)
+    assert str(gpu.value) == str(cpu.value) == "seed must be non-negative (request 1: -1)"
+
+
 def test_an_error_message_does_not_read_device_values_unless_checking():
     """A bad host-held parameter raises at once; without check its message shows
     a device-held one as such instead of copying it to the host (a synchronisation,

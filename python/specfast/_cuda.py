@@ -254,7 +254,15 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, 
         if (check and name == "seed" and isinstance(value, torch.Tensor) and value.numel()
                 and not value.is_floating_point() and value.dtype.is_signed
                 and int(value.min()) < 0):  # synchronises
-            raise ValueError("seed must be non-negative")
+            a = value.detach().cpu().numpy()
+            raise ValueError("seed must be non-negative" + _which(a, a < 0))
+        if name == "top_k" and kind in "iu" and (check or not is_cuda(value)):
+            # the CPU's rule, checked (and said) before any request's others
+            a = (value.detach().cpu().numpy() if isinstance(value, torch.Tensor)  # synchronises
+                 else _as_array(value, name))
+            bad = (a < 0) | (a >= 1 << 31)
+            if bad.any():
+                raise ValueError("top_k must be in [0, 2^31)" + _which(a, bad))
         # a seed is taken as its 64 bits (uint64 past 2^63 included), never narrowed
         t = _on_device(value, dtype, dev, name, check=check and name != "seed").reshape(-1)
         if t.numel() not in (1, batch):
