@@ -51,7 +51,10 @@ def test_unknown_command_is_a_usage_error():
     (["--payload", "topk", "--lookahead", "2"],
      "--payload, --lookahead: only with --drafter remote:HOST:PORT"),
     (["--drafter", "none", "--token-file", "t"], "--token-file: only with --drafter remote"),
-], ids=["top-p", "temperature", "ngram-spec", "empty-stop", "remote-options", "token-file"])
+    (["--timeout", "5", "--retry", "3"], "--timeout, --retry: only with --drafter remote"),
+    (["--drafter", "remote:h:1", "--timeout", "0"], "--timeout: 0.0 is not above 0"),
+], ids=["top-p", "temperature", "ngram-spec", "empty-stop", "remote-options", "token-file",
+        "timeout-retry", "timeout-zero"])
 def test_generate_refuses_bad_settings_before_loading_a_model(args, said):
     out = cli("generate", "--prompt", "hi", "--target", "/nonexistent/model", *args)
     assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr
@@ -160,6 +163,8 @@ def test_generate_hands_the_remote_options_to_the_drafter():
     parser = argparse.ArgumentParser()
     generate.add_arguments(parser)
     args = parser.parse_args(["--prompt", "x", "--drafter", "remote:host:1", "--payload", "topk",
-                              "--payload-top-k", "3", "--lookahead", "5"])
+                              "--payload-top-k", "3", "--lookahead", "5", "--timeout", "30",
+                              "--retry", "0.5"])
     assert generate.remote_options(args) == dict(address="host:1", payload="topk", top_k=3,
-                                                 lookahead=5, auth_token=None, tls=None)
+                                                 lookahead=5, auth_token=None, tls=None,
+                                                 timeout=30.0, retry=0.5)

@@ -161,9 +161,14 @@ def test_drafter_unreachable_decodes_locally(target):
     server, port = serve(lambda: NgramDrafter())
     server.stop(0)  # nothing listens there now
     d = remote(port, target, timeout=0.5)
-    out = SpeculativeDecoder(target, d, k=4).generate(PROMPTS[0], 30)
+    dec = SpeculativeDecoder(target, d, k=4)
+    out = dec.generate(PROMPTS[0], 30)
     assert out.tokens == reference(target, PROMPTS[0], 30, temperature=0.0)
     assert d.stats.steps == 0 and d.stats.local_steps > 0 and d.stats.failures
+    # said in the summary that `specfast generate` prints, not only in the stats
+    said = dec.last_metrics.summary()
+    assert f"drafted remotely 0 steps, locally {d.stats.local_steps}" in said, said
+    assert f"{len(d.stats.failures)} failed tries, the last: ConnectionError" in said, said
 
 
 class Counting(NgramDrafter):

@@ -129,7 +129,10 @@ class Metrics:
             t = self.transfer
             net = (f"; network {t['bytes_per_step']:.0f} B/step, "
                    f"{t['bytes_per_drafted_token']:.1f} B/drafted token, "
-                   f"{t['bytes_per_token']:.1f} B/token")
+                   f"{t['bytes_per_token']:.1f} B/token; drafted remotely "
+                   f"{t['steps']} steps, locally {t['local_steps']}")
+            if t["failures"]:  # a drafter away is drafted around: said here
+                net += f" ({len(t['failures'])} failed tries, the last: {t['failures'][-1]})"
         return (f"{self.tokens} tokens in {self.t_total:.2f} s ({self.tokens_per_s:.1f} tok/s), "
                 f"{self.target_steps} target steps ({self.mean_accepted_length:.2f} tok/step), "
                 f"drafted {self.draft_n} accepted {self.draft_n_accepted} "

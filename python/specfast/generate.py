@@ -14,7 +14,7 @@ import os
 import sys
 
 from ._api import _MAX_DRAFT
-from .cli import count as _count
+from .cli import count as _count, number as _number
 from .cli import read_file
 
 
@@ -25,7 +25,7 @@ def _draft_length(text):
 # The options of a remote drafter, with their defaults: another drafter refuses
 # them (rather than ignore them) where they differ.
 _REMOTE_ONLY = dict(payload="tokens", payload_top_k=8, lookahead=8, token_file=None,
-                    tls_ca=None)
+                    tls_ca=None, timeout=2.0, retry=1.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="file holding the token a remote drafter requires")
     parser.add_argument("--tls-ca", default=None, metavar="PEM",
                         help="root certificate(s) to reach a remote drafter over TLS")
+    parser.add_argument("--timeout", type=_number(0.0, strict=True), default=_REMOTE_ONLY["timeout"],
+                        metavar="S", help="seconds to wait for a remote drafter's drafts "
+                        "(a draft model's first step prefills the prompt) before drafting "
+                        "locally")
+    parser.add_argument("--retry", type=_number(0.0), default=_REMOTE_ONLY["retry"], metavar="S",
+                        help="seconds before a failed remote drafter is tried again "
+                        "(doubling while it keeps failing)")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for a batch); '-' reads stdin")
     parser.add_argument("--raw", action="store_true", help="no chat template")
@@ -92,7 +99,8 @@ def remote_options(args) -> dict:
     except ValueError:
         raise SystemExit(f"--tls-ca {args.tls_ca}: not a PEM certificate") from None
     return dict(address=address, payload=args.payload, top_k=args.payload_top_k,
-                lookahead=args.lookahead, auth_token=token, tls=tls)
+                lookahead=args.lookahead, auth_token=token, tls=tls, timeout=args.timeout,
+                retry=args.retry)
 
 
 def remote_drafter(args, vocab_size):
