@@ -49,10 +49,34 @@ def test_packed_mask_and_ragged_batch():
     for b, n in enumerate(sizes):
         ref_mask, ref_pos = reference_mask(parents[start:start + n])
         np.testing.assert_array_equal(dense[b, : n + 1, : n + 1], ref_mask)
-        assert not dense[b, n + 1:].any() and not dense[b, :, n + 1:].any()
+        pad = width - n - 1  # padding sees itself only
+        np.testing.assert_array_equal(dense[b, n + 1:, n + 1:], np.eye(pad, dtype=bool))
+        assert not dense[b, n + 1:, :n + 1].any() and not dense[b, :n + 1, n + 1:].any()
         np.testing.assert_array_equal(pos[b, : n + 1], ref_pos)
         assert (pos[b, n + 1:] == -1).all()
         start += n
+
+
+def test_a_padded_batch_attends_without_nan():
+    """Two attention layers over a padded batch (2 and 0 drafts) with the mask, as
+    attention is written (softmax of the scores with masked ones at -inf; torch's SDPA
+    returns 0 for a row of no keys, a plain kernel NaN, which the second layer's values
+    spread to every row): no NaN, and the real tokens' outputs are the request's
+    alone (padding is seen by none)."""
+    torch = pytest.importorskip("torch")
+    mask, _ = specfast.tree_mask(np.array([-1, -1], np.int32), np.array([2, 0]))
+    mask = torch.from_numpy(mask)  # (B, W, W)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+
+    def layers(x, m):
+        for _ in range(2):
+            scores = (x @ x.transpose(1, 2)).masked_fill(~m, -torch.inf)
+            x = torch.softmax(scores, dim=-1) @ x
+        return x
+
+    out = layers(x, mask)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out[1:, :1], layers(x[1:, :1], mask[1:, :1, :1]))
 
 
 def test_chain_mask_is_causal():

@@ -48,8 +48,14 @@ SF_API sf_status sf_tree_mask(const int32_t *parents, const int32_t *num_draft,
             }
             if (pos) pos[t] = parent < 0 ? 0 : pos[parent] + 1;
         }
-        if (pos)
-            for (int64_t t = n + 1; t < width; t++) pos[t] = -1;
+        /* Padding attends to itself only: a row of no keys would give an
+         * attention kernel NaN there, and it would spread through the next
+         * layer's values (0 weight times NaN) to every row. */
+        for (int64_t t = n + 1; t < width; t++) {
+            if (m) m[t * width + t] = 1;
+            if (w) w[t * words + t / 32] |= 1u << (t % 32);
+            if (pos) pos[t] = -1;
+        }
         node0 += n;
     }
     return SF_OK;

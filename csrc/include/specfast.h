@@ -186,7 +186,8 @@ SF_API sf_status sf_probs(const sf_logits *logits, const sf_params *params,
  * root). A request's tree has num_draft[b] + 1 tokens: the root (the token of
  * its row 0) at index 0 and node i at index 1 + i. With width = max_draft + 1:
  *   mask       (batch, width, width) uint8, or NULL: mask[b][i][j] is 1 when
- *              token j is token i or one of its ancestors, else 0;
+ *              token j is token i or one of its ancestors, else 0; a padding
+ *              token (past the request's) attends to itself only;
  *   bits       (batch, width, words) uint32 with words = (width + 31) / 32, or
  *              NULL: the same, bit j % 32 of word j / 32;
  *   positions  (batch, width) int32, or NULL: each token's depth (root 0),

@@ -30,7 +30,10 @@ def tree_mask(parents, num_draft=None, *, packed=False):
         with ``W = max(num_draft) + 1``; token 0 is the root (the token of the
         request's first logits row), token ``1 + i`` is node i; ``mask[b, i, j]``
         says whether token i attends to token j (itself or an ancestor).
-        Without ``num_draft`` the batch axis is dropped.
+        A token past a request's tokens (padding) attends to itself only (with
+        no key at all an attention kernel gives NaN, which the next layer's
+        values would spread to every row). Without ``num_draft`` the batch
+        axis is dropped.
     positions : ``(B, W)`` int32 depth of each token (root 0; add the root's
         absolute position), -1 past a request's tokens.
     Both are torch tensors when ``parents`` or ``num_draft`` is one.
