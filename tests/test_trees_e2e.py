@@ -281,7 +281,7 @@ def test_tree_rejection_passes_exact_rows_to_verify(target, monkeypatch, sparse_
     draft_model = tiny_model(seed=1, layers=1)
     params = dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.02)
     q_params = dict(params, top_k=sparse_top or params["top_k"])  # the drafter's own
-    seeds, prompts, n_new = [3, 4], [PROMPTS[0], PROMPTS[2]], 12
+    seeds, prompts, n_new = [3, 4], [PROMPTS[0], PROMPTS[2]], 16
     calls, kept = [], []
     real, real_keep = specfast._api.verify, target.keep_paths
 

@@ -349,6 +349,30 @@ def test_residual_drawn_by_tries_or_formed_whole_is_exact(mass, dtype, rng):
                    f"residual mass {mass} ({dtype}), rejected requests")
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+def test_drafts_drawn_by_sample_at_the_verify_seed_stay_exact(kind):
+    """A drafter that draws its token with specfast.sample at the very seed and position
+    that verify then gets: the residual after a rejection must not reuse the uniform
+    that chose the token (it did, and a rejected draft of token 0 always became token
+    1). The residual has mass 0.1 (drawn whole after 16 failed tries 19% of the time
+    with a dense q; always with a sparse one) and is spread evenly over tokens 1 and 2."""
+    p = np.array([0.25, 0.375, 0.375])
+    q = np.array([0.35, 0.325, 0.325])
+    n = scaled(1_000_000)
+    seeds = np.arange(n, dtype=np.uint64)
+    q_rows = np.tile(q.astype(np.float32), (n, 1))
+    drafts = sf.sample(np.log(q_rows), seed=seeds, position=7)
+    draft_q = (q_rows if kind == "dense" else
+               sf.SparseProbs(np.tile(np.arange(3, dtype=np.int32), (n, 1)), q_rows))
+    res = sf.verify(np.tile(np.log(p).astype(np.float32), (2 * n, 1)), drafts,
+                    np.ones(n, np.int32), draft_probs=draft_q, seed=seeds, position=7)
+    assert_samples(res.tokens[:, 0], p, f"{kind}: the first token")
+    rejected = res.num_accepted == 0
+    residual = np.maximum(p - q, 0.0)
+    assert_samples(res.tokens[rejected, 0], residual / residual.sum(),
+                   f"{kind}: the tokens of rejected drafts")
+
+
 @pytest.mark.parametrize("siblings", ["iid", "distinct"])
 @pytest.mark.parametrize("kind", ["dense", "sparse"])
 def test_later_siblings_decide_by_their_own_coin(kind, siblings, rng):

@@ -77,7 +77,8 @@ enum {
     SF_PURPOSE_ACCEPT = 1, /* index: sibling order at a node */
     SF_PURPOSE_DRAW = 2,   /* index 0: inverse-CDF draw from a row */
     SF_PURPOSE_NOISE = 3,  /* Gumbel noise: see sf_noise_word */
-    SF_PURPOSE_RESID = 4   /* index i: try i of a residual draw (sf_resid_keeps) */
+    SF_PURPOSE_RESID = 4   /* index i: try i of a residual draw (sf_resid_keeps), then
+                            * the residual formed whole (sf_draw_block) */
 };
 
 SF_HD uint32_t sf_f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -154,6 +155,16 @@ SF_HD int sf_resid_keeps(sf_u32x4 r, uint64_t w, float q, uint64_t total) {
     const sf_u32x4 hi = {{r.v[2], r.v[3], 0, 0}};
     const double u = sf_uniform_open0(hi), wd = (double)w;
     return SF_DMUL(u, wd) < SF_DSUB(wd, SF_DMUL((double)q, (double)total));
+}
+
+/* The Philox block of an inverse-CDF draw at (seed, position): (DRAW, 0) for
+ * a row as it is (sample, a bonus token), (RESID, SF_RESID_TRIES), past the
+ * tries, for a residual after a rejection. A drafter that drew its token with
+ * specfast.sample at this seed and position used (DRAW, 0): the residual must
+ * not reuse the uniform that chose the token it corrects. */
+SF_HD sf_u32x4 sf_draw_block(uint64_t seed, int64_t position, int residual) {
+    return residual ? sf_philox(seed, position, SF_PURPOSE_RESID, SF_RESID_TRIES)
+                    : sf_philox(seed, position, SF_PURPOSE_DRAW, 0);
 }
 
 /* ---- exp and log ---- */

@@ -578,8 +578,8 @@ static int32_t draw_at(const sf_dist *d, const sf_kernels *k, uint64_t target) {
 }
 
 int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,
-                     int64_t position) {
-    return draw_at(d, k, sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d->total));
+                     int64_t position, int residual) {
+    return draw_at(d, k, sf_draw_target(sf_draw_block(seed, position, residual), d->total));
 }
 
 sf_status sf_dist_resid_tries(const sf_dist *d, const sf_kernels *k, const float *q,

@@ -102,8 +102,9 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
 sf_status sf_dist_resid_tries(const sf_dist *d, const sf_kernels *k, const float *q,
                               uint64_t seed, int64_t position, int32_t *token);
 
-/* Inverse-CDF draw of one token with Philox at (seed, position, DRAW). */
+/* Inverse-CDF draw of one token with Philox at sf_draw_block(seed, position,
+ * residual): residual where d is what rejecting drafts left. */
 int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,
-                     int64_t position);
+                     int64_t position, int residual);
 
 #endif /* SF_CPU_DIST_H */

@@ -192,7 +192,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                     st = sf_dist_mass(&d, c->k, s, upcoming, 0);
                     if (st != SF_OK) return st;
                 }
-                emit = sf_dist_draw(&d, c->k, p.seed, pos);
+                emit = sf_dist_draw(&d, c->k, p.seed, pos, first[cur + 1] >= 0);
             }
         }
         if (accepted < 0) {

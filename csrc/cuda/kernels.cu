@@ -905,15 +905,15 @@ __device__ void sf_cu_draws(const sf_cu_dist &d, const sf_cu_over &ov, const sf_
     __syncthreads();
 }
 
-/* The draw from d with Philox at (seed, position, DRAW) (sf_dist_draw). */
+/* The draw from d at sf_draw_block(seed, position, residual) (sf_dist_draw). */
 template <int DT>
 __device__ int32_t sf_cu_draw(const sf_cu_dist &d, const sf_cu_over &ov, const sf_cu_span &sp,
                               const uint64_t *tiles, int ntiles, uint64_t seed,
-                              int64_t position) {
+                              int64_t position, bool residual) {
     __shared__ uint64_t s_target;
     __shared__ int32_t s_tok;
     if (threadIdx.x == 0)
-        s_target = sf_draw_target(sf_philox(seed, position, SF_PURPOSE_DRAW, 0), d.total);
+        s_target = sf_draw_target(sf_draw_block(seed, position, residual), d.total);
     sf_cu_draws<DT>(d, ov, sp, tiles, ntiles, &s_target, &s_tok, 1);
     return s_tok;
 }
@@ -1335,7 +1335,8 @@ sf_cu_verify_kernel(sf_cu_verify_args a) {
             if (st == SF_OK && accepted < 0 && !have_mass) sf_cu_set_mass<DT>(d, sp, tiles, ntiles);
             if (st != SF_OK) break;
             if (accepted < 0 && emit < 0)
-                emit = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, pos);
+                emit = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, pos,
+                                      first[cur + 1] >= 0);
         }
         if (accepted < 0) {
             if (writer && threadIdx.x == 0) out_tok[depth] = emit;
@@ -1412,7 +1413,7 @@ __global__ void __launch_bounds__(SF_CU_THREADS) sf_cu_rows_kernel(sf_cu_rows_ar
                     }
                 } else {
                     const sf_cu_over ov = {NULL, NULL};
-                    tok = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, p.position);
+                    tok = sf_cu_draw<DT>(d, ov, sp, tiles, ntiles, p.seed, p.position, false);
                 }
             }
         }
