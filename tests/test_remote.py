@@ -370,6 +370,13 @@ def test_client_checks_its_arguments(target):
                                ("lookahead", 2.0, TypeError), ("lookahead", -1, ValueError)]:
         with pytest.raises(error, match=f"RemoteDrafter: {name} must be"):
             RemoteDrafter("127.0.0.1:1", vocab_size=10, **{name: value})
+    for address in ("127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1", "host:http"):
+        with pytest.raises(ValueError, match="address must be HOST:PORT"):
+            RemoteDrafter(address, vocab_size=10)  # 99999 connected to port 34463
+    d = RemoteDrafter("127.0.0.1:1", vocab_size=10)
+    d.close()
+    with pytest.raises(ValueError, match="closed"):  # was grpc's "Channel closed!" mid-call
+        d.start([[1, 2]], [Sampling()])
 
 
 @pytest.mark.parametrize("payload, sampling", [

@@ -84,16 +84,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def remote_options(args) -> dict:
     """RemoteDrafter's arguments from ``--drafter remote:HOST:PORT`` and its options
     (the address checked, the token and certificate files read), less the vocabulary."""
+    from .remote.client import check_address, check_tls_roots
+
     address = args.drafter[len("remote:"):]
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SystemExit(f"--drafter {args.drafter}: give remote:HOST:PORT")
+    try:
+        check_address(address)
+    except ValueError:
+        raise SystemExit(f"--drafter {args.drafter}: give remote:HOST:PORT") from None
     token = read_file(args.token_file, "--token-file").strip() if args.token_file else None
     if args.token_file and not token:  # as serve-drafter refuses it
         raise SystemExit(f"--token-file {args.token_file}: the file holds no token")
     tls = read_file(args.tls_ca, "--tls-ca", binary=True) if args.tls_ca else None
-    from .remote.client import check_tls_roots
-
     try:
         check_tls_roots(tls)
     except ValueError:

@@ -198,6 +198,7 @@ class RemoteDrafter(Drafter):
         check_arg("RemoteDrafter", "lookahead", lookahead, 0, MAX_DRAFT, integer=True)
         check_arg("RemoteDrafter", "timeout", timeout, 0.0, open_lo=True)
         check_arg("RemoteDrafter", "retry", retry, 0.0)
+        check_address(address)
         check_tls_roots(tls)
         self.address, self.payload, self.top_k = address, payload, top_k
         self.lookahead = lookahead
@@ -218,6 +219,7 @@ class RemoteDrafter(Drafter):
         self.stats = TransferStats()
         self.remote_name = None
         self._stream = None
+        self._closed = False
         self._next_try = 0.0
         self._failed = 0  # tries failed in a row
         self._strict = False  # the next try is the generation's first (see _connect)
@@ -238,6 +240,8 @@ class RemoteDrafter(Drafter):
 
     # -- the Drafter interface ------------------------------------------------
     def start(self, contexts, sampling):
+        if self._closed:
+            raise ValueError("RemoteDrafter: closed (its channel is gone); make a new one")
         self.fallback.start(contexts, sampling)
         self._contexts = [list(c) for c in contexts]
         self._prompt_lens = [len(c) for c in contexts]
@@ -301,6 +305,7 @@ class RemoteDrafter(Drafter):
 
     def close(self):
         self._close()
+        self._closed = True
         self._channel.close()
 
     def __enter__(self):
@@ -487,6 +492,14 @@ class RemoteDrafter(Drafter):
             if not np.all(probs[np.arange(n), tokens] > 0):
                 raise RemoteError("a dense draft whose token has probability 0")
         return Draft(tokens, probs, int(d.match), parents)
+
+
+def check_address(address):
+    """Refuses an address that is not HOST:PORT with a port in [1, 65535] (grpc
+    would take the port modulo 65536, or read the text as a name to resolve)."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be HOST:PORT with a port in [1, 65535], got {address!r}")
 
 
 def check_tls_roots(tls):
