@@ -383,8 +383,8 @@ def test_host_integers_that_would_wrap_are_errors(kernels, array):
     logits, tokens, nd = chain()
     with pytest.raises(ValueError, match="draft_tokens has values outside"):
         _cuda.verify(logits, array([1, 2**32 + 5, 3]), nd)
-    with pytest.raises(ValueError, match="top_k has values outside"):
-        _cuda.sample(torch.zeros(2, 50), top_k=array([2**32 + 40, 1]))
+    with pytest.raises(ValueError, match=r"top_k must be in \[0, 2\^31\) \(request 0"):
+        _cuda.sample(torch.zeros(2, 50), top_k=array([2**32 + 40, 1]))  # as the CPU says
     with pytest.raises(ValueError, match="parents has values outside"):
         _cuda.verify(logits, tokens, nd, parents=array([-1, -1, -(2**31) - 1]))
     with pytest.raises(ValueError, match="position has values outside"):
@@ -402,8 +402,11 @@ def test_host_integers_that_would_wrap_are_errors(kernels, array):
 ], ids=["top_p", "temperature", "temperature-array", "top_k-array", "min_p-tensor", "nan"])
 def test_host_parameters_checked_at_once(kernels, kw, index):
     """Parameters the host holds are checked before the launch, with the CPU's
-    message (device tensors are left to the kernel: no synchronisation)."""
-    with pytest.raises(ValueError, match=f"sampling parameter out of range \\(row {index}\\)"):
+    message (device tensors are left to the kernel: no synchronisation); a
+    negative top_k in the CPU's words for it, before the launch."""
+    said = (r"top_k must be in \[0, 2\^31\)" if "top_k" in kw
+            else f"sampling parameter out of range \\(row {index}\\)")
+    with pytest.raises(ValueError, match=said):
         _cuda.sample(torch.zeros(3, 50), **kw)
     with pytest.raises(ValueError, match=f"request {index}"):
         _cuda.verify(*chain(), **kw)
