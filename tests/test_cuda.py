@@ -433,6 +433,7 @@ def test_top_k_and_seed_arrays_are_refused_as_on_the_cpu():
     with pytest.raises(ValueError) as gpu:
         _cuda.verify(to_torch(x), to_torch(tokens), nd, seed=to_torch(seed), check=True)
     assert str(gpu.value) == str(cpu.value) == "seed must be non-negative (request 1: -1)"
+    assert isinstance(gpu.value, sf.RequestError) and gpu.value.index == 1
 
 
 def test_an_error_message_does_not_read_device_values_unless_checking():

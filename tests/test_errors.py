@@ -766,6 +766,31 @@ def test_per_request_parameter_errors_name_the_request():
     raises(lambda: sf.verify(**kw, seed=np.array([-3])), r"seed must be non-negative \(got -3\)")
 
 
+def test_an_error_of_one_request_says_which_as_an_attribute():
+    """What concerns one request (a row of sample) is a RequestError, a ValueError
+    whose index names it, so a server can drop it without reading the message:
+    whether the core met it (a NaN row, a bad draft, a parameter) or Python did (a
+    per-request array). What concerns the whole call is a plain ValueError."""
+    kw = base_verify()
+    rows = kw["target_logits"].shape[0]
+    logits = kw["target_logits"].copy()
+    logits[rows - 2, 0] = np.nan  # the last request's first row
+    for call, index in [
+        (lambda: sf.verify(**dict(kw, target_logits=logits)), len(kw["num_draft"]) - 1),
+        (lambda: sf.verify(**kw, top_p=np.array([1.0, 2.0, 1.0])), 1),
+        (lambda: sf.verify(**kw, seed=[1, 2, -5]), 2),
+        (lambda: sf.sample(np.zeros((3, 8), np.float32), temperature=[1.0, 1.0, -1.0]), 2),
+    ]:
+        with pytest.raises(sf.RequestError) as e:
+            call()
+        assert isinstance(e.value, ValueError) and e.value.index == index, e.value
+    for call in (lambda: sf.verify(**kw, seed=np.array([-3])),  # one value for all
+                 lambda: sf.verify(**dict(kw, num_draft=[1, 1]))):  # the batch's shape
+        with pytest.raises(ValueError) as e:
+            call()
+        assert not isinstance(e.value, sf.RequestError), e.value
+
+
 def test_draft_errors_name_the_node_and_what_was_wrong():
     """A bad draft token, parent or draft probability names the node of the failed
     request and the rule it broke, not only the request."""

@@ -15,6 +15,7 @@ from ._api import (
     simd_level,
     verify,
 )
+from ._lib import RequestError
 from ._lib import lib as _lib
 from ._tree import kv_compact, kv_keep_slots, tree_mask
 
@@ -43,6 +44,7 @@ _lib()  # fail at import, not at the first call, when the library is missing
 
 __all__ = [
     *_LAZY,
+    "RequestError",
     "SparseProbs",
     "VerifyResult",
     "get_num_threads",

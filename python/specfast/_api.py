@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._lib import check, ffi, lib
+from ._lib import RequestError, check, ffi, lib
 
 _METHODS = {"rejection": 0, "coupled": 1}
 _F32, _F16, _BF16 = 0, 1, 2
@@ -314,22 +314,24 @@ def _array_param(value, name, batch, keep):
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
     if dtype == np.uint64 and a.dtype.kind == "i" and a.size and a.min() < 0:
-        raise ValueError(f"{name} must be non-negative" + _which(a, a < 0))
+        raise _bad_param(f"{name} must be non-negative", a, a < 0)
     if dtype == np.int32 and a.size and (a.min() < 0 or a.max() >= 1 << 31):
-        raise ValueError(f"{name} must be in [0, 2^31)"
-                         + _which(a, (a < 0) | (a >= 1 << 31)))
+        raise _bad_param(f"{name} must be in [0, 2^31)", a, (a < 0) | (a >= 1 << 31))
     if dtype == np.int64 and a.dtype == np.uint64 and a.size and a.max() >= 1 << 63:
-        raise ValueError(f"{name} must be below 2^63" + _which(a, a >= 1 << 63))
+        raise _bad_param(f"{name} must be below 2^63", a, a >= 1 << 63)
     a = _c_array(a.reshape(-1), dtype)
     keep.append(a)
     return _ptr(f"{ctype} *", a), a.shape[0]
 
 
-def _which(a, bad) -> str:
-    """Where 1-D parameter array a first breaks its rule (bad: a mask), for a message."""
+def _bad_param(message, a, bad) -> ValueError:
+    """The error of parameter array a, whose entries `bad` (a mask) break the rule
+    `message` says: a RequestError naming the first where a has one per request."""
     i = int(np.flatnonzero(bad)[0]) if a.ndim else 0
     value = a.reshape(-1)[i].item()
-    return f" (request {i}: {value})" if a.ndim and a.shape[0] > 1 else f" (got {value})"
+    if a.ndim and a.shape[0] > 1:
+        return RequestError(f"{message} (request {i}: {value})", i)
+    return ValueError(f"{message} (got {value})")
 
 
 _PLAIN = (int, float)

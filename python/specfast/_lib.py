@@ -74,6 +74,16 @@ def lib():
 _ROW_CALLS = ("specfast.sample", "specfast.probs")
 
 
+class RequestError(ValueError):
+    """A ValueError about one request of the batch (one row of ``sample`` and
+    ``probs``): ``index`` says which, so that a server can drop that request and
+    call again with the rest instead of reading the message."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
 def check(status: int, what: str, index: int, detail=None) -> None:
     """Raises the exception that a non-zero status stands for; index is the
     request (the row for sample and probs) it concerns, -1 for the whole call."""
@@ -90,4 +100,4 @@ def check(status: int, what: str, index: int, detail=None) -> None:
         raise RuntimeError(message)
     if status == lib().SF_ERR_UNSUPPORTED:
         raise NotImplementedError(message)
-    raise ValueError(message)
+    raise RequestError(message, index) if index >= 0 else ValueError(message)
