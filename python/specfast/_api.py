@@ -313,15 +313,24 @@ def _array_param(value, name, batch, keep):
         raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
-    if dtype == np.uint64 and a.dtype.kind == "i" and a.size and a.min() < 0:
-        raise _bad_param(f"{name} must be non-negative", a, a < 0)
-    if dtype == np.int32 and a.size and (a.min() < 0 or a.max() >= 1 << 31):
-        raise _bad_param(f"{name} must be in [0, 2^31)", a, (a < 0) | (a >= 1 << 31))
-    if dtype == np.int64 and a.dtype == np.uint64 and a.size and a.max() >= 1 << 63:
-        raise _bad_param(f"{name} must be below 2^63", a, a >= 1 << 63)
+    _int_range(a, name, dtype)
     a = _c_array(a.reshape(-1), dtype)
     keep.append(a)
     return _ptr(f"{ctype} *", a), a.shape[0]
+
+
+def _int_range(a, name, dtype):
+    """Refuses the entries of integer parameter array a that the core's C type
+    `dtype` does not hold as they are (seed: uint64, top_k: int32, position:
+    int64), naming the first. Both backends."""
+    if not a.size:
+        return
+    if dtype == np.uint64 and a.dtype.kind == "i" and a.min() < 0:
+        raise _bad_param(f"{name} must be non-negative", a, a < 0)
+    if dtype == np.int32 and (a.min() < 0 or a.max() >= 1 << 31):
+        raise _bad_param(f"{name} must be in [0, 2^31)", a, (a < 0) | (a >= 1 << 31))
+    if dtype == np.int64 and a.dtype == np.uint64 and a.max() >= 1 << 63:
+        raise _bad_param(f"{name} must be below 2^63", a, a >= 1 << 63)
 
 
 def _bad_param(message, a, bad) -> ValueError:

@@ -47,7 +47,7 @@ import numpy as np
 
 from ._cdef import CDEF
 from ._api import (_BF16_SUM_SLACK, _MAX_DRAFT, _MAX_VOCAB, _PARAM_RULES, _as_array,
-                   _as_float, _bad_param, _failure_detail, _first_bad_param, _is_int,
+                   _as_float, _failure_detail, _first_bad_param, _int_range, _is_int,
                    _lift_temperatures, _method, _param_detail, _scalar, _strided, _torch)
 from ._lib import fix_for, library_path, open_library
 
@@ -247,21 +247,15 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, 
             a = _as_array(value, "seed")
             if a.dtype.kind not in "iu":
                 raise TypeError(f"seed must hold integers, got dtype {a.dtype}")
-            if a.dtype.kind == "i" and a.size and a.min() < 0:
-                raise _bad_param("seed must be non-negative", a, a < 0)
+            _int_range(a, "seed", np.uint64)
             value = a.astype(np.uint64).view(np.int64)  # the same 64 bits
-        if (check and name == "seed" and isinstance(value, torch.Tensor) and value.numel()
-                and not value.is_floating_point() and value.dtype.is_signed
-                and int(value.min()) < 0):  # synchronises
-            a = value.detach().cpu().numpy()
-            raise _bad_param("seed must be non-negative", a, a < 0)
+        if (check and name == "seed" and isinstance(value, torch.Tensor)
+                and not value.is_floating_point() and value.dtype.is_signed):
+            _int_range(value.detach().cpu().numpy(), "seed", np.uint64)  # synchronises
         if name == "top_k" and kind in "iu" and (check or not is_cuda(value)):
             # the CPU's rule, checked (and said) before any request's others
-            a = (value.detach().cpu().numpy() if isinstance(value, torch.Tensor)  # synchronises
-                 else _as_array(value, name))
-            bad = (a < 0) | (a >= 1 << 31)
-            if bad.any():
-                raise _bad_param("top_k must be in [0, 2^31)", a, bad)
+            _int_range(value.detach().cpu().numpy() if isinstance(value, torch.Tensor)
+                       else _as_array(value, name), "top_k", np.int32)  # synchronises
         # a seed is taken as its 64 bits (uint64 past 2^63 included), never narrowed
         t = _on_device(value, dtype, dev, name, check=check and name != "seed").reshape(-1)
         if t.numel() not in (1, batch):
