@@ -14,8 +14,7 @@ import os
 import sys
 
 from ._api import _MAX_DRAFT
-from .cli import count as _count, number as _number
-from .cli import read_file
+from .cli import count as _count, number as _number, read_file
 
 
 def _draft_length(text):
@@ -48,13 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="file holding the token a remote drafter requires")
     parser.add_argument("--tls-ca", default=None, metavar="PEM",
                         help="root certificate(s) to reach a remote drafter over TLS")
-    parser.add_argument("--timeout", type=_number(0.0, strict=True), default=_REMOTE_ONLY["timeout"],
-                        metavar="S", help="seconds to wait for a remote drafter's drafts "
-                        "(a draft model's first step prefills the prompt) before drafting "
-                        "locally")
-    parser.add_argument("--retry", type=_number(0.0), default=_REMOTE_ONLY["retry"], metavar="S",
-                        help="seconds before a failed remote drafter is tried again "
-                        "(doubling while it keeps failing)")
+    parser.add_argument("--timeout", type=_number(0.0, strict=True),
+                        default=_REMOTE_ONLY["timeout"], metavar="S",
+                        help="seconds to wait for a remote drafter's drafts (a draft "
+                             "model's first step prefills the prompt) before drafting locally")
+    parser.add_argument("--retry", type=_number(0.0), default=_REMOTE_ONLY["retry"],
+                        metavar="S", help="seconds before a failed remote drafter is tried "
+                                          "again (doubling while it keeps failing)")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text (repeat for a batch); '-' reads stdin")
     parser.add_argument("--raw", action="store_true", help="no chat template")
