@@ -3,6 +3,7 @@ bytes on the wire, faults (drafter down, killed, restarted) and refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -1174,9 +1175,12 @@ def test_the_delay_proxy_closes_what_ended():
     srv.close()
 
 
-def test_a_refusal_at_a_generations_first_try_raises(target):
-    """A generation whose start waits out an earlier failure's backoff still says a
-    refusal of its settings at its first try (a wrong token): it was drafted around."""
+@contextlib.contextmanager
+def _backed_off(target, make_drafter, prompt, client=(), server=()):
+    """A RemoteDrafter whose generation started within the backoff of a failed try
+    (nothing listened on its port then), and a server that now listens there, the
+    backoff over: the next step's try is the generation's first. ``client`` and
+    ``server``: their extra keyword arguments."""
     import socket
 
     s = socket.socket()
@@ -1185,22 +1189,30 @@ def test_a_refusal_at_a_generations_first_try_raises(target):
     s.close()
     # timeout: room for a loaded machine to answer (the sanitized suite beside other
     # work once took over 0.5 s, and the try was drafted around)
-    d = remote(port, target, timeout=3.0, retry=0.5, auth_token="wrong")
-    server = None
+    d = remote(port, target, timeout=3.0, retry=0.5, **dict(client))
+    srv = None
     try:
-        ctx = [[1, 2, 3, 1, 2]]
-        d.start(ctx, [Sampling()])  # nothing listens yet: a failure, then a backoff
+        d.start(prompt, [Sampling()])  # nothing listens yet: a failure, then a backoff
         assert d.stats.failures and d.stats.sessions == 0
-        server, _ = serve(lambda: NgramDrafter(), port=port, auth_token="right")
-        d.start(ctx, [Sampling()])  # within the backoff: no try
+        srv, _ = serve(make_drafter, port=port, **dict(server))
+        d.start(prompt, [Sampling()])  # within the backoff: no try
         time.sleep(0.6)
+        yield d
+    finally:
+        d.close()
+        if srv is not None:
+            srv.stop(0)
+
+
+def test_a_refusal_at_a_generations_first_try_raises(target):
+    """A generation whose start waits out an earlier failure's backoff still says a
+    refusal of its settings at its first try (a wrong token): it was drafted around."""
+    ctx = [[1, 2, 3, 1, 2]]
+    with _backed_off(target, lambda: NgramDrafter(), ctx, client=dict(auth_token="wrong"),
+                     server=dict(auth_token="right")) as d:
         with pytest.raises(RemoteError, match="authentication failed"):
             d.propose(ctx, [2], [Sampling()])
         d.propose(ctx, [2], [Sampling()])  # a later try of the same generation: drafted around
-    finally:
-        d.close()
-        if server is not None:
-            server.stop(0)
 
 
 def test_closing_the_delay_proxy_ends_its_connections():
@@ -1427,21 +1439,9 @@ def test_a_refusal_of_generated_ids_drafts_around(target):
     a setting to fix: it drafts locally (it raised, ending the generation). Prompt ids
     past it at the first try still raise (test_a_refusal_at_a_generations_first_try_raises
     for the rule)."""
-    import socket
-
     small = tiny_model(vocab=40, seed=1)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    d = remote(port, target, timeout=3.0, retry=0.5)
-    server = None
-    try:
-        prompt = [[1, 2, 3, 1, 2]]
-        d.start(prompt, [Sampling()])  # nothing listens yet: a failure, then a backoff
-        server, _ = serve(lambda: ModelDrafter(small), port=port)
-        d.start(prompt, [Sampling()])  # within the backoff: no try
-        time.sleep(0.6)
+    prompt = [[1, 2, 3, 1, 2]]
+    with _backed_off(target, lambda: ModelDrafter(small), prompt) as d:
         grown = [prompt[0] + [45, 3]]  # a generated id the draft model lacks
         d.propose(grown, [2], [Sampling()])
         assert d.stats.sessions == 0 and d.stats.local_steps == 1
@@ -1449,7 +1449,3 @@ def test_a_refusal_of_generated_ids_drafts_around(target):
         d._next_try = 0.0
         with pytest.raises(RemoteError, match=r"\[0, 40\)"):
             d.start(grown, [Sampling()])  # the same ids as a prompt: said
-    finally:
-        d.close()
-        if server is not None:
-            server.stop(0)
