@@ -393,8 +393,8 @@ def test_host_integers_that_would_wrap_are_errors(kernels, array):
 
 
 @pytest.mark.parametrize("kw, index", [
-    (dict(top_p=2.0), 0),
-    (dict(temperature=-1), 0),
+    (dict(top_p=2.0), -1),
+    (dict(temperature=-1), -1),
     (dict(temperature=np.array([1.0, 0.5, 2e30])), 2),
     (dict(top_k=np.array([0, -3, 5])), 1),
     (dict(min_p=torch.tensor([0.5, 0.1, 1.5])), 2),
@@ -403,13 +403,16 @@ def test_host_integers_that_would_wrap_are_errors(kernels, array):
 def test_host_parameters_checked_at_once(kernels, kw, index):
     """Parameters the host holds are checked before the launch, with the CPU's
     message (device tensors are left to the kernel: no synchronisation); a
-    negative top_k in the CPU's words for it, before the launch."""
+    negative top_k in the CPU's words for it, before the launch. A bad value
+    given once for all is the whole call's error, not request 0's (index -1)."""
     said = (r"top_k must be in \[0, 2\^31\)" if "top_k" in kw
-            else f"sampling parameter out of range \\(row {index}\\)")
-    with pytest.raises(ValueError, match=said):
+            else "sampling parameter out of range" + (f" \\(row {index}\\)" if index >= 0 else ":"))
+    with pytest.raises(ValueError, match=said) as e:
         _cuda.sample(torch.zeros(3, 50), **kw)
-    with pytest.raises(ValueError, match=f"request {index}"):
+    assert getattr(e.value, "index", -1) == index
+    with pytest.raises(ValueError, match=f"request {index}" if index >= 0 else "range:") as e:
         _cuda.verify(*chain(), **kw)
+    assert getattr(e.value, "index", -1) == index
     assert kernels.calls == []
 
 

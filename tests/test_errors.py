@@ -785,6 +785,11 @@ def test_an_error_of_one_request_says_which_as_an_attribute():
             call()
         assert isinstance(e.value, ValueError) and e.value.index == index, e.value
     for call in (lambda: sf.verify(**kw, seed=np.array([-3])),  # one value for all
+                 lambda: sf.verify(**kw, temperature=-1.0),  # the core's checks too
+                 lambda: sf.verify(**kw, top_p=np.array([0.0], np.float32),
+                                   temperature=[1.0, 1.0, -1.0]),  # before any request's
+                 lambda: sf.sample(np.zeros((3, 8), np.float32), min_p=2.0),
+                 lambda: sf.probs(np.zeros((3, 8), np.float32), top_p=0.0),
                  lambda: sf.verify(**dict(kw, num_draft=[1, 1]))):  # the batch's shape
         with pytest.raises(ValueError) as e:
             call()

@@ -49,7 +49,8 @@ static inline sf_status sf_params_load(const sf_params *p, int64_t b, sf_rowpara
 }
 
 /* Checks the shape of `p` for `batch` requests and every value; on a bad
- * value sets *index to the request. */
+ * value sets *index to the request, or leaves it -1 where the value is one
+ * for all. No request, no value read. */
 static inline sf_status sf_params_check(const sf_params *p, int64_t batch,
                                         int64_t *index) {
     *index = -1;
@@ -61,6 +62,11 @@ static inline sf_status sf_params_check(const sf_params *p, int64_t batch,
                           p->n_min_p, p->n_seed, p->n_position};
     for (int i = 0; i < 6; i++)
         if (n[i] != 1 && n[i] != batch) return SF_ERR_SHAPE;
+    /* The values given once, with valid values standing in for the arrays. */
+    if (batch > 0 && !sf_params_ok(p->n_temperature == 1 ? p->temperature[0] : 1.0f,
+                      p->n_top_k == 1 ? p->top_k[0] : 0, p->n_top_p == 1 ? p->top_p[0] : 1.0f,
+                      p->n_min_p == 1 ? p->min_p[0] : 0.0f))
+        return SF_ERR_PARAM;
     for (int64_t b = 0; b < batch; b++) {
         sf_rowparams r;
         sf_params_get(p, b, &r);

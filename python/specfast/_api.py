@@ -558,8 +558,9 @@ def _param_values(v) -> np.ndarray:
 
 
 def _first_bad_param(param_values) -> int | None:
-    """The first request whose parameters break _PARAM_RULES, or None; each value
-    is a number or one per request."""
+    """The first request whose parameters break _PARAM_RULES, -1 where a value
+    given once for all does (before any request, as sf_params_check), or None;
+    each value is a number or one per request."""
     first = None
     for k, v in param_values.items():
         vv = _param_values(v)
@@ -567,16 +568,21 @@ def _first_bad_param(param_values) -> int | None:
             with np.errstate(over="ignore"):
                 vv = vv.astype(np.float32)  # what C reads (too large: inf)
         bad = np.flatnonzero(~_PARAM_OK[k](vv))
+        if bad.size and vv.size == 1:
+            return -1
         if bad.size and (first is None or bad[0] < first):
             first = int(bad[0])
     return first
 
 
 def _param_detail(param_values, index) -> str:
-    """_PARAM_RULES and request index's values, for the error message."""
+    """_PARAM_RULES and request index's values (-1: the values given once), for
+    the error message."""
     shown = []
     for k, v in param_values.items():
         vv = _param_values(v)
+        if vv.size != 1 and index < 0:
+            continue
         value = vv[0 if vv.size == 1 else index]
         value = value.item() if isinstance(value, np.generic) else value  # or a stand-in
         # The rules hold for the float32 values the kernels read: say where
