@@ -45,7 +45,9 @@ def test_unknown_command_is_a_usage_error():
 
 
 @pytest.mark.parametrize("args, said", [
-    (["--top-p", "0"], "top_p=0.0"), (["--temperature", "-1"], "temperature=-1.0"),
+    (["--top-p", "0"], ": 0 <= temperature <= 1e30, top_k >= 0, 0 < top_p <= 1 and "
+     "0 <= min_p <= 1; got --temperature 0.0, --top-k 0, --top-p 0.0, --min-p 0.0"),
+    (["--temperature", "-1"], "got --temperature -1.0,"),
     (["--drafter", "ngram:x"], "'ngram:N' takes"),
     (["--stop", ""], "a stop string must not be empty"),
     (["--payload", "topk", "--lookahead", "2"],

@@ -127,8 +127,11 @@ def run(args) -> int:
         _stops(args.stop)
         if is_ngram(args.drafter):
             make(args.drafter)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"specfast generate: {e}") from None
+    except (TypeError, ValueError) as e:  # in the flags' words
+        said = str(e).removeprefix("generate: ")
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
+            said = said.replace(f"{name}=", f"--{name.replace('_', '-')} ")
+        raise SystemExit(f"specfast generate: {said}") from None
     refused = ()  # exceptions of a remote drafter that refuses the session
     if remote:
         try:
