@@ -169,7 +169,9 @@ def test_drafter_unreachable_decodes_locally(target):
     # said in the summary that `specfast generate` prints, not only in the stats
     said = dec.last_metrics.summary()
     assert f"drafted remotely 0 steps, locally {d.stats.local_steps}" in said, said
-    assert f"{len(d.stats.failures)} failed tries, the last: ConnectionError" in said, said
+    assert f"{len(d.stats.failures)} failed tries, the last: ConnectionError: UNAVAILABLE: " \
+        in said, said
+    assert "\n" not in said and "Rendezvous" not in said, said  # one line: status, details
 
 
 class Counting(NgramDrafter):

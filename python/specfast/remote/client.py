@@ -131,6 +131,9 @@ class _Stream:
             code = getattr(msg, "code", None)  # a grpc.RpcError's status
             if callable(code) and getattr(code(), "name", "") == "UNAUTHENTICATED":
                 raise RemoteError(msg.details()) from None  # a setting to fix: said
+            if callable(code) and callable(getattr(msg, "details", None)):
+                # a status and its details, not the call object's many lines
+                raise ConnectionError(f"{code().name}: {msg.details()}") from msg
             raise ConnectionError(str(msg)) from msg
         if msg.WhichOneof("msg") == "error":
             if msg.error.transient:  # the drafter failed, not our settings: try again later
