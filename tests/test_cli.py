@@ -78,6 +78,8 @@ def test_generate_refuses_bad_settings_before_loading_a_model(args, said):
     ("serve-drafter", ["--tree", "0"], "argument --tree"),
     ("serve-drafter", ["--token-file", "/nonexistent/t"], "No such file"),
     ("serve-drafter", ["--drafter", "/nonexistent/draft.gguf"], "no such draft model"),
+    ("serve-drafter", ["--tls-cert", __file__, "--tls-key", __file__],
+     "the TLS certificate is not PEM"),
     ("demo", ["--threads", "-1"], "argument --threads"),
     ("demo", ["--max-new-tokens", "0"], "argument --max-new-tokens"),
     ("demo", ["--workloads", "chat-tips", "nosuch"], "no built-in workload named ['nosuch']"),

@@ -940,6 +940,18 @@ def test_a_tls_root_that_is_not_pem_is_refused(target):
         remote(1, target, tls=b"not a certificate")
 
 
+def test_a_server_certificate_or_key_that_is_not_pem_is_refused():
+    """Said as such, not as grpc's 'cannot bind' after its TLS log lines."""
+    cert = b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    key = b"-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n"
+    with pytest.raises(ValueError, match="certificate is not PEM"):
+        serve(lambda: NgramDrafter(), tls=(b"junk", key))
+    with pytest.raises(ValueError, match="key is not a PEM private key"):
+        serve(lambda: NgramDrafter(), tls=(cert, cert))  # the certificate twice
+    with pytest.raises(TypeError, match="cert_pem, key_pem"):
+        serve(lambda: NgramDrafter(), tls=cert)
+
+
 def test_an_empty_token_is_refused(tmp_path):
     import subprocess
     import sys

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..drafters import is_ngram, make
-    from .server import MAX_TOKENS, serve
+    from .server import MAX_TOKENS, check_tls_pair, serve
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("--tls-cert and --tls-key go together")
@@ -57,6 +57,11 @@ def run(args) -> int:
     if args.tls_cert:
         tls = (read_file(args.tls_cert, "--tls-cert", binary=True),
                read_file(args.tls_key, "--tls-key", binary=True))
+        try:
+            check_tls_pair(tls)  # before a model loads
+        except ValueError as e:
+            raise SystemExit(f"--tls-cert {args.tls_cert}, --tls-key {args.tls_key}: {e}") \
+                from None
     if is_ngram(args.drafter):
         try:
             make(args.drafter)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import logging
 import queue
+import re
 import threading
 import time
 from concurrent import futures
@@ -371,6 +372,7 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
     (and, with the DENSE payload, to what fits in one message)."""
     if auth_token is not None and not auth_token:
         raise ValueError("auth_token must not be empty: every client sends '' by default")
+    check_tls_pair(tls)
     # Sessions beyond the workers are refused (RESOURCE_EXHAUSTED: the client
     # drafts locally), not queued behind sessions that may last minutes.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
@@ -390,3 +392,16 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
         raise OSError(f"cannot bind {where}")
     server.start()
     return server, port
+
+
+def check_tls_pair(tls):
+    """Refuses a (certificate, key) that is not PEM: grpc would log a TLS error
+    and then say only that it cannot bind the address."""
+    if tls is None:
+        return
+    if not (isinstance(tls, tuple) and len(tls) == 2 and all(isinstance(t, bytes) for t in tls)):
+        raise TypeError("tls must be (cert_pem, key_pem) bytes")
+    if b"-----BEGIN CERTIFICATE-----" not in tls[0]:
+        raise ValueError("the TLS certificate is not PEM (-----BEGIN CERTIFICATE-----)")
+    if not re.search(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----", tls[1]):
+        raise ValueError("the TLS key is not a PEM private key (-----BEGIN ... PRIVATE KEY-----)")
