@@ -142,9 +142,9 @@ def test_temperature_too_small_for_float32_is_not_zero(kernels):
 
 
 @pytest.mark.parametrize("kw, error, match", [
-    (dict(top_p=np.array([0.5, 0.6])), ValueError, "one value per request"),
+    (dict(top_p=np.array([0.5, 0.6])), ValueError, r"one value per row \(4\)"),
     (dict(seed=-1), ValueError, "out of range"),
-    (dict(seed=np.array([1, -2, 3, 4])), ValueError, "non-negative"),
+    (dict(seed=np.array([1, -2, 3, 4])), ValueError, r"non-negative \(row 1: -2\)"),
     (dict(top_k=2.5), TypeError, "integer"),
     (dict(top_k=torch.tensor([1.0, 2.0, 3.0, 4.0])), TypeError, "integers"),
     (dict(temperature=None), TypeError, "number or an array"),
@@ -383,7 +383,7 @@ def test_host_integers_that_would_wrap_are_errors(kernels, array):
     logits, tokens, nd = chain()
     with pytest.raises(ValueError, match="draft_tokens has values outside"):
         _cuda.verify(logits, array([1, 2**32 + 5, 3]), nd)
-    with pytest.raises(ValueError, match=r"top_k must be in \[0, 2\^31\) \(request 0"):
+    with pytest.raises(ValueError, match=r"top_k must be in \[0, 2\^31\) \(row 0"):
         _cuda.sample(torch.zeros(2, 50), top_k=array([2**32 + 40, 1]))  # as the CPU says
     with pytest.raises(ValueError, match="parents has values outside"):
         _cuda.verify(logits, tokens, nd, parents=array([-1, -1, -(2**31) - 1]))

@@ -766,6 +766,18 @@ def test_per_request_parameter_errors_name_the_request():
     raises(lambda: sf.verify(**kw, seed=np.array([-3])), r"seed must be non-negative \(got -3\)")
 
 
+def test_sample_and_probs_count_rows_in_parameter_errors():
+    """sample and probs name rows, as the core's messages of the same call do."""
+    x = np.zeros((6, 8), np.float32)
+    raises(lambda: sf.sample(x, seed=np.array([0, -1, 0, 0, 0, 0])),
+           r"seed must be non-negative \(row 1: -1\)")
+    raises(lambda: sf.sample(x, top_k=[0, 0, -2, 0, 0, 0]), r"top_k.*\(row 2: -2\)")
+    raises(lambda: sf.probs(x, temperature=[1.0, 2.0]),
+           r"temperature must be a scalar or have one value per row \(6\)")
+    raises(lambda: sf.sample(x, temperature=[1.0] * 5 + [-1.0]),
+           r"out of range \(row 5\)")
+
+
 def test_an_error_of_one_request_says_which_as_an_attribute():
     """What concerns one request (a row of sample) is a RequestError, a ValueError
     whose index names it, so a server can drop it without reading the message:

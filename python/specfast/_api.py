@@ -292,7 +292,7 @@ def _scalar(value, name, integer):
     return None
 
 
-def _array_param(value, name, batch, keep):
+def _array_param(value, name, batch, keep, unit):
     ctype, dtype = _CTYPES[name]
     if _is_torch(value):
         if value.dtype == _torch().bfloat16:  # numpy has none; float32 holds it exactly
@@ -307,39 +307,40 @@ def _array_param(value, name, batch, keep):
         a = _lift_temperatures(a)
     if a.ndim > 1 or (a.ndim == 1 and a.shape[0] not in (1, batch)):
         raise ValueError(
-            f"{name} must be a scalar or have one value per request ({batch}), got shape {a.shape}"
+            f"{name} must be a scalar or have one value per {unit} ({batch}), got shape {a.shape}"
         )
     if dtype != np.float32 and a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
     if a.dtype.kind not in "iuf":
         raise TypeError(f"{name} must be numeric, got dtype {a.dtype}")
-    _int_range(a, name, dtype)
+    _int_range(a, name, dtype, unit)
     a = _c_array(a.reshape(-1), dtype)
     keep.append(a)
     return _ptr(f"{ctype} *", a), a.shape[0]
 
 
-def _int_range(a, name, dtype):
+def _int_range(a, name, dtype, unit="request"):
     """Refuses the entries of integer parameter array a that the core's C type
     `dtype` does not hold as they are (seed: uint64, top_k: int32, position:
-    int64), naming the first. Both backends."""
+    int64), naming the first (a request, or a row of sample and probs). Both
+    backends."""
     if not a.size:
         return
     if dtype == np.uint64 and a.dtype.kind == "i" and a.min() < 0:
-        raise _bad_param(f"{name} must be non-negative", a, a < 0)
+        raise _bad_param(f"{name} must be non-negative", a, a < 0, unit)
     if dtype == np.int32 and (a.min() < 0 or a.max() >= 1 << 31):
-        raise _bad_param(f"{name} must be in [0, 2^31)", a, (a < 0) | (a >= 1 << 31))
+        raise _bad_param(f"{name} must be in [0, 2^31)", a, (a < 0) | (a >= 1 << 31), unit)
     if dtype == np.int64 and a.dtype == np.uint64 and a.max() >= 1 << 63:
-        raise _bad_param(f"{name} must be below 2^63", a, a >= 1 << 63)
+        raise _bad_param(f"{name} must be below 2^63", a, a >= 1 << 63, unit)
 
 
-def _bad_param(message, a, bad) -> ValueError:
+def _bad_param(message, a, bad, unit="request") -> ValueError:
     """The error of parameter array a, whose entries `bad` (a mask) break the rule
     `message` says: a RequestError naming the first where a has one per request."""
     i = int(np.flatnonzero(bad)[0]) if a.ndim else 0
     value = a.reshape(-1)[i].item()
     if a.ndim and a.shape[0] > 1:
-        return RequestError(f"{message} (request {i}: {value})", i)
+        return RequestError(f"{message} ({unit} {i}: {value})", i)
     return ValueError(f"{message} (got {value})")
 
 
@@ -396,8 +397,9 @@ def _take_frame():
 _PARAM_NAMES = ("temperature", "top_k", "top_p", "min_p", "seed", "position")
 
 
-def _params(f, batch, temperature, top_k, top_p, min_p, seed, position, keep):
-    """An sf_params; scalars in frame f's buffers, arrays are passed as is."""
+def _params(f, batch, temperature, top_k, top_p, min_p, seed, position, keep, unit="request"):
+    """An sf_params; scalars in frame f's buffers, arrays are passed as is. `unit`:
+    what the batch counts in messages (request, or row)."""
     # A server's lone request passes its seed and position as arrays.
     if type(seed) is np.ndarray:
         seed = _single(seed, "seed")
@@ -432,12 +434,12 @@ def _params(f, batch, temperature, top_k, top_p, min_p, seed, position, keep):
     floats = ffi.new(_T_F3)
     ints = ffi.new(_T_I3)  # top_k (as int32), seed, position
     keep += [floats, ints]
-    t = _float_param(temperature, "temperature", floats, 0, batch, keep)
-    tp = _float_param(top_p, "top_p", floats, 1, batch, keep)
-    mp = _float_param(min_p, "min_p", floats, 2, batch, keep)
-    k = _int_param(top_k, "top_k", ffi.cast(_T_I32P, ints), batch, keep)
-    sd = _int_param(seed, "seed", ffi.cast(_T_U64P, ints + 1), batch, keep)
-    ps = _int_param(position, "position", ints + 2, batch, keep)
+    t = _float_param(temperature, "temperature", floats, 0, batch, keep, unit)
+    tp = _float_param(top_p, "top_p", floats, 1, batch, keep, unit)
+    mp = _float_param(min_p, "min_p", floats, 2, batch, keep, unit)
+    k = _int_param(top_k, "top_k", ffi.cast(_T_I32P, ints), batch, keep, unit)
+    sd = _int_param(seed, "seed", ffi.cast(_T_U64P, ints + 1), batch, keep, unit)
+    ps = _int_param(position, "position", ints + 2, batch, keep, unit)
     p = ffi.new(_T_PARAMS, t + k + tp + mp + sd + ps)
     keep.append(p)
     return p
@@ -476,7 +478,7 @@ def _lift_temperatures(a):
     return where((a > 0) & (a < _F32_TINY), _F32_TINY, a)
 
 
-def _float_param(v, name, buf, i, batch, keep):
+def _float_param(v, name, buf, i, batch, keep, unit):
     """(pointer, count) of a float parameter: a number goes into buf[i]."""
     if type(v) in _PLAIN:
         buf[i] = _as_float(v, name)
@@ -486,12 +488,12 @@ def _float_param(v, name, buf, i, batch, keep):
         return _ptr("float *", v), v.shape[0]
     x = _scalar(v, name, False)
     if x is None:
-        return _array_param(v, name, batch, keep)
+        return _array_param(v, name, batch, keep, unit)
     buf[i] = _as_float(x, name)
     return buf + i, 1
 
 
-def _int_param(v, name, slot, batch, keep):
+def _int_param(v, name, slot, batch, keep, unit):
     """(pointer, count) of an integer parameter: a number goes into *slot."""
     ctype, dtype = _CTYPES[name]
     if _exact_array(v, dtype, batch) and (name != "top_k" or not v.size or v.min() >= 0):
@@ -499,7 +501,7 @@ def _int_param(v, name, slot, batch, keep):
         return _ptr(ctype + " *", v), v.shape[0]
     x = _scalar(v, name, True)
     if x is None:
-        return _array_param(v, name, batch, keep)
+        return _array_param(v, name, batch, keep, unit)
     lo, hi = _INT_RANGES[name]
     if not lo <= x < hi:
         raise ValueError(f"{name}={x} is out of range [{lo}, {hi})")
@@ -871,7 +873,8 @@ def sample(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, po
     out = np.empty(a.shape[0], np.int32)
     f = _take_frame()
     try:
-        params = _params(f, a.shape[0], temperature, top_k, top_p, min_p, seed, position, keep)
+        params = _params(f, a.shape[0], temperature, top_k, top_p, min_p, seed, position, keep,
+                         "row")
         status = lib().sf_sample(_c_logits(a, code, stride, keep), params, m,
                                  _ptr("int32_t *", out), f.err)
         index = f.err.index
@@ -919,7 +922,7 @@ def probs(logits, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     out = np.empty(a.shape, np.float32)
     f = _take_frame()
     try:
-        params = _params(f, a.shape[0], temperature, top_k, top_p, min_p, 0, 0, keep)
+        params = _params(f, a.shape[0], temperature, top_k, top_p, min_p, 0, 0, keep, "row")
         status = lib().sf_probs(_c_logits(a, code, stride, keep), params, _ptr("float *", out),
                                 f.err)
         index = f.err.index

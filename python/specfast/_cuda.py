@@ -205,9 +205,11 @@ def _probs(value, dev, name):
     return t
 
 
-def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, check):
+def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, check,
+            unit="request"):
     """An sf_cuda_params: Python scalars by value, arrays as device tensors, refused
-    where the CPU backend refuses them (the same scalar rules, shapes and dtypes)."""
+    where the CPU backend refuses them (the same scalar rules, shapes and dtypes,
+    the batch counted in `unit`s)."""
     torch = _torch()
     p = ffi.new("sf_cuda_params *")
     keep.append(p)
@@ -234,7 +236,7 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, 
             continue
         shape, dt, kind = _dtype_kind(value, name)
         if len(shape) > 1:
-            raise ValueError(f"{name} must be a scalar or have one value per request "
+            raise ValueError(f"{name} must be a scalar or have one value per {unit} "
                              f"({batch}), got shape {shape}")
         if kind not in "iuf":
             raise TypeError(f"{name} must be numeric, got dtype {dt}")
@@ -247,20 +249,20 @@ def _params(batch, dev, keep, temperature, top_k, top_p, min_p, seed, position, 
             a = _as_array(value, "seed")
             if a.dtype.kind not in "iu":
                 raise TypeError(f"seed must hold integers, got dtype {a.dtype}")
-            _int_range(a, "seed", np.uint64)
+            _int_range(a, "seed", np.uint64, unit)
             value = a.astype(np.uint64).view(np.int64)  # the same 64 bits
         if (check and name == "seed" and isinstance(value, torch.Tensor)
                 and not value.is_floating_point() and value.dtype.is_signed):
-            _int_range(value.detach().cpu().numpy(), "seed", np.uint64)  # synchronises
+            _int_range(value.detach().cpu().numpy(), "seed", np.uint64, unit)  # synchronises
         if name == "top_k" and kind in "iu" and (check or not is_cuda(value)):
             # the CPU's rule, checked (and said) before any request's others
             _int_range(value.detach().cpu().numpy() if isinstance(value, torch.Tensor)
-                       else _as_array(value, name), "top_k", np.int32)  # synchronises
+                       else _as_array(value, name), "top_k", np.int32, unit)  # synchronises
         # a seed is taken as its 64 bits (uint64 past 2^63 included), never narrowed
         t = _on_device(value, dtype, dev, name, check=check and name != "seed").reshape(-1)
         if t.numel() not in (1, batch):
             raise ValueError(
-                f"{name} must be a scalar or have one value per request ({batch}), "
+                f"{name} must be a scalar or have one value per {unit} ({batch}), "
                 f"got shape {tuple(t.shape)}"
             )
         keep.append(t)
@@ -531,7 +533,8 @@ def _rows(what, logits, name, call, check, out, temperature, top_k, top_p, min_p
     dev = x.device
     rows = x.shape[0]
     pvals = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position, check)
+    params = _params(rows, dev, keep, temperature, top_k, top_p, min_p, seed, position, check,
+                     "row")
     _check_host_params(what, pvals, rows, check)
     out = _out_dict(out, (name, "status"))
     if name == "tokens":
