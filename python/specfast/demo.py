@@ -21,7 +21,7 @@ _QUICK = ["code-rewrite-rgb", "chat-tips"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="two short prompts (~30 s)")
+    parser.add_argument("--quick", action="store_true", help="two short prompts (about a minute, the model's load included)")
     parser.add_argument("--workloads", nargs="*", default=None,
                         help=f"built-in workload names (default: {' '.join(_DEFAULT)})")
     parser.add_argument("--max-new-tokens", type=count(1), default=None,
