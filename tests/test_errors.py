@@ -766,6 +766,23 @@ def test_per_request_parameter_errors_name_the_request():
     raises(lambda: sf.verify(**kw, seed=np.array([-3])), r"seed must be non-negative \(got -3\)")
 
 
+def test_arguments_numpy_would_misread_are_refused():
+    """A masked array (numpy drops the mask), booleans in a list (numpy makes 0 and
+    1 of them) and a ragged list: errors naming the argument."""
+    x = np.zeros((6, 8), np.float32)
+    kw = base_verify()
+    raises(lambda: sf.probs(np.ma.masked_array(x, mask=x == 0)), "logits is a masked array")
+    raises(lambda: sf.verify(**dict(kw, draft_probs=np.ma.masked_array(kw["draft_probs"]))),
+           "draft_probs is a masked array")
+    raises(lambda: sf.sample(x, seed=[True, 2, 3, 4, 5, 6]), "seed must hold numbers, not bool")
+    raises(lambda: sf.verify(**dict(kw, num_draft=[np.True_] + list(kw["num_draft"][1:]))),
+           "num_draft must hold numbers, not bool")
+    raises(lambda: sf.sample(x, temperature=[1.0, [2.0, 3.0], 1, 1, 1, 1]), "^temperature: ")
+    raises(lambda: sf.SparseProbs(np.zeros((1, 2), np.int32),
+                                  np.full((1, 2), 0.5, np.float32)).dense(-5),
+           r"vocab must be in \[1, \d+\], got -5")
+
+
 def test_sample_and_probs_count_rows_in_parameter_errors():
     """sample and probs name rows, as the core's messages of the same call do."""
     x = np.zeros((6, 8), np.float32)

@@ -280,6 +280,14 @@ def test_tree_helpers_reject_bad_input(call, error):
         call()
 
 
+def test_tree_mask_names_the_node_whose_parent_is_bad():
+    """As verify does: the request, the node and the rule."""
+    with pytest.raises(specfast.RequestError, match=r"request 1\): node 2: parent 2 is not in "
+                                                   r"\[-1, 2\)") as e:
+        specfast.tree_mask(np.array([-1, -1, 0, 2]), [1, 3])
+    assert e.value.index == 1
+
+
 @pytest.mark.parametrize("kind", ["torch-batch", "torch-heads", "numpy-seq", "meta-batch", "c-core"])
 def test_kv_compact_refuses_caches_whose_entries_share_memory(kind):
     """An expanded or broadcast axis (stride 0) would let one request's move overwrite

@@ -63,9 +63,11 @@ class SparseProbs:
     def dense(self, vocab: int) -> np.ndarray:
         """The same distributions as ``(N, vocab)`` float32 rows (CPU arrays)."""
         vocab = operator.index(vocab)
+        if not 1 <= vocab <= _MAX_VOCAB:
+            raise ValueError(f"SparseProbs.dense: vocab must be in [1, {_MAX_VOCAB}], got {vocab}")
         idx, val = np.asarray(self.indices), np.asarray(self.values, np.float32)
-        if vocab < 1 or (idx.size and (idx.min() < -1 or idx.max() >= vocab)):
-            raise ValueError(f"SparseProbs.dense: ids must be in [-1, {vocab}) and vocab >= 1")
+        if idx.size and (idx.min() < -1 or idx.max() >= vocab):
+            raise ValueError(f"SparseProbs.dense: ids must be in [-1, {vocab})")
         if _repeats(idx):
             raise ValueError("SparseProbs.dense: a row repeats a token id")
         if np.any((idx == -1) & (val != 0)):
@@ -126,11 +128,26 @@ def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
+def _asarray(x, name):
+    """np.asarray(x) of an argument: a masked array (its mask would be dropped),
+    a list of lists of different lengths or a list holding booleans (taken as 0
+    and 1) are refused, naming the argument."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array, whose mask would be ignored: "
+                        "pass its .filled(value)")
+    if isinstance(x, (list, tuple)) and not {bool, np.bool_}.isdisjoint(map(type, x)):
+        raise TypeError(f"{name} must hold numbers, not booleans")
+    try:
+        return np.asarray(x)
+    except ValueError as exc:  # ragged
+        raise ValueError(f"{name}: {exc}") from None
+
+
 def _as_array(x, name):
     """np.asarray(x), with Python ints kept integer: numpy makes float64 of an
     empty list and of ints that mix [0, 2^63) with [2^63, 2^64) (random 64-bit
     seeds), and object arrays of ints past 64 bits."""
-    a = np.asarray(x)
+    a = _asarray(x, name)
     if a.dtype.kind not in "fO" or not isinstance(x, (list, tuple, int)):
         return a
     if a.size == 0:
@@ -186,7 +203,7 @@ def _float_array(x, name, ndim, probs=False):
     if _is_torch(x):
         bf16 = str(x.dtype) == "torch.bfloat16"
         x = _torch_to_numpy(x.float() if bf16 else x, name)
-    a = np.asarray(x)
+    a = _asarray(x, name)
     if a.dtype.name == "bfloat16":  # ml_dtypes; float32 holds it exactly
         a, bf16 = a.astype(np.float32), True
     if a.dtype.kind != "f":
@@ -229,7 +246,7 @@ def _logits(x, name="target_logits"):
                                 f"got dtype {x.dtype}") from None
             code = None
     else:
-        a = np.asarray(x)
+        a = _asarray(x, name)
         code = None
     if code is None:
         if not a.dtype.isnative:

@@ -69,7 +69,13 @@ def tree_mask(parents, num_draft=None, *, packed=False):
         ffi.NULL if packed else _ptr("uint8_t *", mask),
         _ptr("uint32_t *", mask) if packed else ffi.NULL,
         _ptr("int32_t *", positions), err)
-    check(status, "specfast.tree_mask", err.index)
+    detail = None
+    if status == lib().SF_ERR_PARENT and par is not None and err.index >= 0:
+        n0, i = sum(counts[:err.index]), err.index  # which node, as verify says
+        j = next((j for j in range(counts[i]) if not -1 <= int(par[n0 + j]) < j), None)
+        if j is not None:
+            detail = f"node {j}: parent {int(par[n0 + j])} is not in [-1, {j})"
+    check(status, "specfast.tree_mask", err.index, detail)
     if not packed:
         mask = mask.view(np.bool_)
     if _is_torch(parents) or _is_torch(num_draft):
