@@ -89,7 +89,8 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="specfast", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="specfast",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = argv[0] if argv and argv[0] in _COMMANDS else None
     module = None
