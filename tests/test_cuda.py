@@ -859,13 +859,16 @@ def _outcome(fn):
 
 
 @pytest.mark.parametrize("case", ["outside-cut", "outside-cut-tree", "sum-off", "min-p",
-                                  "min-p-no-try-keeps", "underflow-no-try-keeps"])
+                                  "min-p-no-try-keeps", "underflow-no-try-keeps",
+                                  "kept-mass-over"])
 def test_dense_draft_probs_checked_as_on_cpu(case):
     """Which q values are checked where a residual is formed whole: under a cut only
     those of tokens with a weight (a negative q elsewhere is not an error), and q's sum
-    only without a cut; the same outcome, error or tokens, on both backends. In the
-    *-no-try-keeps chains q covers p, so no try keeps a token and the last sibling's
-    residual is formed whole too (from the row: its e was not kept)."""
+    only without a cut, or, where the residual is left empty, q's mass over the kept
+    tokens (above 1 + 1e-3: no distribution); the same outcome, error or tokens, on
+    both backends. In the *-no-try-keeps chains q covers p, so no try keeps a token and
+    the last sibling's residual is formed whole too (from the row: its e was not
+    kept)."""
     vocab = 64
     logits = np.zeros((3, vocab), np.float32)
     logits[:, 16:19] = [5.0, 4.0, 3.0]  # the top 3, in the 16-token group of token 20
@@ -884,13 +887,14 @@ def test_dense_draft_probs_checked_as_on_cpu(case):
         kw = dict(seed=5, position=11)
         logits[0, 40] = -np.inf  # rejected for sure
         parents = np.array([-1, -1], np.int32)  # with a later sibling: q read whole
-    elif case == "underflow-no-try-keeps":
+    elif case in ("underflow-no-try-keeps", "kept-mass-over"):
         kw = dict(top_k=vocab - 2, seed=5, position=11)
         logits[0, 40] = -np.inf  # the draft: rejected for sure
         logits[0, 31] = -300.0  # the one finite token the cut drops
         logits[0, 30] = -200.0  # kept by top-k, its e underflows to 0: weight 0
         p = np.exp(logits[0].astype(np.float64) - logits[0].max())
-        q[0] = 1.01 * p / p.sum()  # covers p: the residual is empty
+        # covers p (the residual is empty), within the sum's slack or past it
+        q[0] = (1.0005 if case == "underflow-no-try-keeps" else 1.002) * p / p.sum()
         q[0, 30] = -0.01
     else:
         kw = dict(min_p=0.5, seed=5, position=11)  # keeps token 16 only
@@ -903,7 +907,7 @@ def test_dense_draft_probs_checked_as_on_cpu(case):
         to_torch(logits), to_torch(tokens), nd, draft_probs=to_torch(q),
         parents=None if parents is None else to_torch(parents), check=True, **kw))
     assert gpu == cpu
-    assert (cpu == ("error",)) == (case == "sum-off")
+    assert (cpu == ("error",)) == (case in ("sum-off", "kept-mass-over"))
 
 
 @pytest.mark.parametrize("vocab", [96, 17000], ids=lambda v: f"V{v}")

@@ -380,6 +380,27 @@ def test_malformed_dense_draft_probs_at_a_token_a_residual_try_draws(value):
                r"malformed draft probabilities \(request 2\)")
 
 
+@pytest.mark.parametrize("kw", [dict(top_k=2), dict(top_p=0.9999), dict(min_p=0.01)],
+                         ids=["top_k", "top_p", "min_p"])
+def test_dense_draft_probs_over_the_kept_tokens_checked_where_the_residual_is_empty(kw):
+    """Under a filter q's sum is not read whole, but a residual left empty (q >= p at
+    every kept token) shows q's kept mass: above 1 + 1e-3 q is no distribution, an
+    error, not a rejected draft emitted again as its own correction."""
+    logits = np.zeros((2, 4), np.float32)
+    logits[:, 2:] = -np.inf  # p = [.5, .5, 0, 0]
+    q = np.array([[1.0, 1.0, 0.0, 0.0]], np.float32)  # sums to 2
+    errors = 0
+    for seed in range(64):
+        try:
+            r = sf.verify(logits, [0], [1], draft_probs=q, seed=seed, **kw)
+        except sf.RequestError as e:
+            assert "malformed draft probabilities" in str(e) and e.index == 0
+            errors += 1
+        else:
+            assert r.num_accepted[0] == 1, r  # accepted (p/q = 1/2), never emitted again
+    assert 0 < errors < 64
+
+
 @pytest.mark.parametrize("scale, bad", [(1.01, True), (1.0005, False)])
 def test_dense_draft_probs_sum_checked_where_no_try_keeps_a_token(scale, bad):
     """Where q covers p (q >= p at every token, by 0.05% or more) the residual is empty:

@@ -522,6 +522,20 @@ static int q_sum_off(const float *q, int64_t n, double approx) {
     return m > one + tol || m + tol < one;
 }
 
+/* Whether q's exact mass over the tokens the filters keep (a nonzero base) is
+ * above 1 + 1e-3: where that mass covers p, under a cut, q is no distribution.
+ * Scalar: only a residual left empty asks. */
+static int q_kept_over(const sf_dist *d, const float *q) {
+    const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
+    uint64_t m = 0;
+    for (int64_t v = 0; v < d->row.vocab; v++) {
+        const float b = d->in.base ? d->in.base[v]
+                                   : sf_row_base(&d->row, sf_load(d->row.data, d->row.dtype, v), v);
+        if (b != 0.0f && sf_prob_ok(q[v])) m += (uint64_t)(q[v] * (float)SF_MASS_ONE);
+    }
+    return m > one + tol;
+}
+
 sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
                                int more, sf_ahead ahead) {
     sf_weights_in in = {d->in.base, (float)(SF_MASS_ONE / (double)d->total), q, 0, 0};
@@ -534,7 +548,9 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
     if (o.q_bad || (!isnan(o.q_sum) && q_sum_off(q, d->row.vocab, o.q_sum)))
         return SF_ERR_DRAFT_PROBS;
     if (o.total == 0) {
-        /* p <= q everywhere (p == q up to rounding): keep p. */
+        /* p <= q everywhere (p == q up to rounding): keep p. Under a cut,
+         * unless q's kept mass shows it is no distribution. */
+        if (isnan(o.q_sum) && q_kept_over(d, q)) return SF_ERR_DRAFT_PROBS;
         weights_all(k, &d->row, &d->in, d->blocks, NULL, &o);
         return SF_OK;
     }

@@ -1017,7 +1017,9 @@ __device__ int sf_cu_reject_dense(sf_cu_dist &d, const sf_cu_span &sp, const flo
     const bool whole = !sf_cu_cut_active(r);
     if (q_bad || (whole && (q_mass > one + tol || q_mass + tol < one))) return SF_ERR_DRAFT_PROBS;
     if (total == 0) {
-        /* p <= q everywhere (p == q up to rounding): keep p. */
+        /* p <= q everywhere (p == q up to rounding): keep p. Under a cut,
+         * unless q's kept mass shows it is no distribution (dist.c). */
+        if (!whole && q_mass > one + tol) return SF_ERR_DRAFT_PROBS;
         sf_cu_pass_weights<DT>(r, sp, old, NULL, tiles, ntiles, NULL, NULL);
         return SF_OK;
     }
