@@ -442,11 +442,13 @@ def test_an_error_message_does_not_read_device_values_unless_checking():
     which breaks a graph capture); with check it shows the value."""
     x = to_torch(np.zeros((4, 40), np.float32))
     tokens, nd = to_torch(np.array([1, 2], np.int32)), np.array([1, 1])
-    top_p = to_torch(np.array([0.5, 0.9], np.float32))
+    top_p = to_torch(np.array([0.5, 0.75], np.float32))
     with pytest.raises(ValueError, match=r"temperature=-1.0, top_k=0, top_p=\(on the device\)"):
-        _cuda.verify(x, tokens, nd, temperature=-1.0, top_p=top_p, check=False)
-    with pytest.raises(ValueError, match=r"top_p=0.5"):
-        _cuda.verify(x, tokens, nd, temperature=-1.0, top_p=top_p, check=True)
+        _cuda.verify(x, tokens, nd, temperature=np.array([1.0, -1.0]), top_p=top_p, check=False)
+    with pytest.raises(ValueError, match=r"range: .*got temperature=-1.0, top_k=0, min_p=0.0$"):
+        _cuda.verify(x, tokens, nd, temperature=-1.0, top_p=top_p)  # the call's: top_p unsaid
+    with pytest.raises(ValueError, match=r"\(request 1\).*temperature=-1.0, top_k=0, top_p=0.75"):
+        _cuda.verify(x, tokens, nd, temperature=np.array([1.0, -1.0]), top_p=top_p, check=True)
     with pytest.raises(ValueError, match=r"max_draft .* got \(on the device\)"):
         _cuda.verify(x, tokens, to_torch(np.array([1, 1], np.int32)),
                      max_draft=to_torch(np.array(1, np.int32)))

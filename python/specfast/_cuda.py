@@ -352,9 +352,10 @@ def _check_host_params(what, params, batch, read_device):
         return  # no request reads them
     if not read_device:
         params = {k: _ON_DEVICE if is_cuda(v) else v for k, v in params.items()}
-    first = _first_bad_param({k: v for k, v in params.items() if v is not _ON_DEVICE})
-    if first is not None:
-        check(3, what, first, _param_detail(params, first))
+    held = {k: v for k, v in params.items() if v is not _ON_DEVICE}
+    first = _first_bad_param(held)
+    if first is not None:  # -1: a value given once for all, which held shows
+        check(3, what, first, _param_detail(held if first < 0 else params, first))
 
 
 class _OnDevice:
