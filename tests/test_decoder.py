@@ -569,6 +569,11 @@ def test_prompts_forms(target):
     dec = SpeculativeDecoder(target)
     assert isinstance(dec.generate([1, 2, 3], 2).tokens, list)
     assert len(dec.generate([[1, 2, 3], [4]], 2)) == 2
+    # numpy arrays of ids (a tokenizer's return_tensors="np"), alone or in a list
+    one = dec.generate(np.array([1, 2, 3], np.int64), 2)
+    assert one.tokens == dec.generate([1, 2, 3], 2).tokens
+    two = dec.generate([np.array([1, 2, 3]), [4]], 2)
+    assert [g.tokens for g in two] == [g.tokens for g in dec.generate([[1, 2, 3], [4]], 2)]
     with pytest.raises(ValueError):
         dec.generate([1, 2], 2, method="nope")
     with pytest.raises(ValueError):

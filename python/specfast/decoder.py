@@ -579,7 +579,9 @@ class SpeculativeDecoder:
         seed : int or list of int (one per prompt)
             Keys every random draw with the absolute position; a prompt in a
             batch gives the same output as alone with the same seed in greedy and
-            coupled modes, and in rejection mode with a fixed ``k`` (with
+            coupled modes (where the target's forward gives a row the same logits
+            whatever else the batch holds: the HF adapter, not llama.cpp), and in
+            rejection mode with a fixed ``k`` (with
             ``k="auto"`` the draft lengths follow measured times, and which draws
             a position uses follows them: the same distribution, other tokens).
         method : {"coupled", "rejection"}
@@ -1054,6 +1056,8 @@ def _as_batch(prompt):
     """(list of prompts, whether one prompt was given)."""
     if isinstance(prompt, str):
         return [prompt], True
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
+        prompt = prompt.tolist()  # token ids, as a tokenizer's return_tensors="np" gives
     if isinstance(prompt, (list, tuple)):
         ids = _ids(prompt)
         if ids is not None:
@@ -1066,7 +1070,8 @@ def _as_batch(prompt):
             kinds = sorted({type(t).__name__ for t in prompt})
             raise TypeError(f"token ids must all be ints, got {', '.join(kinds)}")
         # each prompt as it would be alone
-        return [(isinstance(p, (list, tuple)) and _ids(p)) or p for p in prompt], False
+        return [p.tolist() if isinstance(p, np.ndarray) and p.ndim == 1 and p.dtype.kind in "iu"
+                else (isinstance(p, (list, tuple)) and _ids(p)) or p for p in prompt], False
     raise TypeError(f"prompt must be a string, token ids, chat messages or a list of these, "
                     f"got {type(prompt).__name__}")
 
