@@ -505,35 +505,37 @@ void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
     d->total = total;
 }
 
-/* Whether q's sum is off 1 by more than 1e-3: the test on the exact sum of
- * floor(q 2^40) over q in [0, 1.001] (as the CUDA backend makes it), which
+/* q's mass may be off 1 (2^40 as a fixed-point mass) by this much: 1e-3. */
+#define SF_Q_ONE ((uint64_t)1 << SF_MASS_BITS)
+#define SF_Q_TOL (SF_Q_ONE / 1000)
+
+/* The exact sum of floor(q 2^40) over q in [0, 1.001] (as the CUDA backend
+ * makes it), over every token, or, with `kept`, over the tokens its filters
+ * keep (a nonzero base). Scalar: asked only near the edges of the sum's
+ * test, or where a residual is left empty. */
+static uint64_t q_mass(const float *q, int64_t n, const sf_dist *kept) {
+    uint64_t m = 0;
+    for (int64_t v = 0; v < n; v++) {
+        const float b = !kept              ? 1.0f
+                        : kept->in.base ? kept->in.base[v]
+                                        : sf_row_base(&kept->row,
+                                                      sf_load(kept->row.data, kept->row.dtype, v), v);
+        if (b != 0.0f && sf_prob_ok(q[v])) m += (uint64_t)(q[v] * (float)SF_MASS_ONE);
+    }
+    return m;
+}
+
+/* Whether q's sum is off 1 by more than 1e-3: the test on q_mass, which
  * `approx` (sf_weights_out.q_sum) decides but near the edges, where the exact
  * sum is formed. */
 static int q_sum_off(const float *q, int64_t n, double approx) {
-    const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
     /* The exact sum lies in [lo, hi]: each floor loses less than 1. */
     const double lo = approx * (1.0 - 1e-5) * SF_MASS_ONE - (double)n;
     const double hi = approx * (1.0 + 1e-5) * SF_MASS_ONE;
-    if (lo > (double)(one + tol) || hi < (double)(one - tol)) return 1;
-    if (lo >= (double)(one - tol) && hi <= (double)(one + tol)) return 0;
-    uint64_t m = 0;
-    for (int64_t v = 0; v < n; v++)
-        if (sf_prob_ok(q[v])) m += (uint64_t)(q[v] * (float)SF_MASS_ONE);
-    return m > one + tol || m + tol < one;
-}
-
-/* Whether q's exact mass over the tokens the filters keep (a nonzero base) is
- * above 1 + 1e-3: where that mass covers p, under a cut, q is no distribution.
- * Scalar: only a residual left empty asks. */
-static int q_kept_over(const sf_dist *d, const float *q) {
-    const uint64_t one = (uint64_t)1 << SF_MASS_BITS, tol = one / 1000;
-    uint64_t m = 0;
-    for (int64_t v = 0; v < d->row.vocab; v++) {
-        const float b = d->in.base ? d->in.base[v]
-                                   : sf_row_base(&d->row, sf_load(d->row.data, d->row.dtype, v), v);
-        if (b != 0.0f && sf_prob_ok(q[v])) m += (uint64_t)(q[v] * (float)SF_MASS_ONE);
-    }
-    return m > one + tol;
+    if (lo > (double)(SF_Q_ONE + SF_Q_TOL) || hi < (double)(SF_Q_ONE - SF_Q_TOL)) return 1;
+    if (lo >= (double)(SF_Q_ONE - SF_Q_TOL) && hi <= (double)(SF_Q_ONE + SF_Q_TOL)) return 0;
+    const uint64_t m = q_mass(q, n, NULL);
+    return m > SF_Q_ONE + SF_Q_TOL || m + SF_Q_TOL < SF_Q_ONE;
 }
 
 sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
@@ -550,7 +552,8 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
     if (o.total == 0) {
         /* p <= q everywhere (p == q up to rounding): keep p. Under a cut,
          * unless q's kept mass shows it is no distribution. */
-        if (isnan(o.q_sum) && q_kept_over(d, q)) return SF_ERR_DRAFT_PROBS;
+        if (isnan(o.q_sum) && q_mass(q, d->row.vocab, d) > SF_Q_ONE + SF_Q_TOL)
+            return SF_ERR_DRAFT_PROBS;
         weights_all(k, &d->row, &d->in, d->blocks, NULL, &o);
         return SF_OK;
     }
