@@ -642,6 +642,16 @@ def _sum_off(v) -> str | None:
     return None if abs(total - 1.0) <= 1e-3 else f"{total!r}, not 1 within 1e-3"
 
 
+def _bad_parent(index, num_draft, parents):
+    """Which node of request `index` has a parent outside [-1, its index), and
+    which, for a message (verify's and tree_mask's); None where none does."""
+    n0 = int(np.sum(num_draft[:index], dtype=np.int64))
+    for j in range(int(num_draft[index])):
+        if not -1 <= int(parents[n0 + j]) < j:
+            return f"node {j}: parent {int(parents[n0 + j])} is not in [-1, {j})"
+    return None
+
+
 def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
     """Which draft node of request `index` broke the rule of `status` and how:
     looked for only once the core has failed, so its cost does not matter. None
@@ -649,13 +659,13 @@ def _draft_detail(status, index, tokens, num_draft, parents, probs, vocab):
     checked where the kernel reads them: this looks at the drafted token first,
     then at the whole row."""
     tokens, num_draft, parents = _host(tokens), _host(num_draft), _host(parents)
+    if status == lib().SF_ERR_PARENT:
+        return _bad_parent(index, num_draft, parents)
     n0 = int(np.sum(num_draft[:index], dtype=np.int64))
     for j in range(int(num_draft[index])):
         t = int(tokens[n0 + j])
         if status == lib().SF_ERR_TOKEN and not 0 <= t < vocab:
             return f"node {j}: token {t} is not in [0, {vocab})"
-        if status == lib().SF_ERR_PARENT and not -1 <= int(parents[n0 + j]) < j:
-            return f"node {j}: parent {int(parents[n0 + j])} is not in [-1, {j})"
         if status != lib().SF_ERR_DRAFT_PROBS or probs is None:
             continue
         if isinstance(probs, tuple):  # sparse: (ids, values)

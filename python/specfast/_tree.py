@@ -6,7 +6,8 @@ import operator
 
 import numpy as np
 
-from ._api import _MAX_BATCH, _MAX_DRAFT, _as_array, _int_array, _is_torch, _ptr, _strided, _torch
+from ._api import (_MAX_BATCH, _MAX_DRAFT, _as_array, _bad_parent, _int_array, _is_torch, _ptr,
+                   _strided, _torch)
 from ._lib import check, ffi, lib
 
 
@@ -71,10 +72,7 @@ def tree_mask(parents, num_draft=None, *, packed=False):
         _ptr("int32_t *", positions), err)
     detail = None
     if status == lib().SF_ERR_PARENT and par is not None and err.index >= 0:
-        n0, i = sum(counts[:err.index]), err.index  # which node, as verify says
-        j = next((j for j in range(counts[i]) if not -1 <= int(par[n0 + j]) < j), None)
-        if j is not None:
-            detail = f"node {j}: parent {int(par[n0 + j])} is not in [-1, {j})"
+        detail = _bad_parent(err.index, nd, par)  # which node, as verify says
     check(status, "specfast.tree_mask", err.index, detail)
     if not packed:
         mask = mask.view(np.bool_)

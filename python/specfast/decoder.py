@@ -1052,12 +1052,19 @@ def _ids(prompt):
     return None
 
 
+def _listed(prompt):
+    """A 1-D numpy array of token ids (a tokenizer's return_tensors="np") as a
+    list; any other prompt as it is."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
+        return prompt.tolist()
+    return prompt
+
+
 def _as_batch(prompt):
     """(list of prompts, whether one prompt was given)."""
     if isinstance(prompt, str):
         return [prompt], True
-    if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and prompt.dtype.kind in "iu":
-        prompt = prompt.tolist()  # token ids, as a tokenizer's return_tensors="np" gives
+    prompt = _listed(prompt)
     if isinstance(prompt, (list, tuple)):
         ids = _ids(prompt)
         if ids is not None:
@@ -1070,8 +1077,8 @@ def _as_batch(prompt):
             kinds = sorted({type(t).__name__ for t in prompt})
             raise TypeError(f"token ids must all be ints, got {', '.join(kinds)}")
         # each prompt as it would be alone
-        return [p.tolist() if isinstance(p, np.ndarray) and p.ndim == 1 and p.dtype.kind in "iu"
-                else (isinstance(p, (list, tuple)) and _ids(p)) or p for p in prompt], False
+        return [(isinstance(p, (list, tuple)) and _ids(p)) or p
+                for p in map(_listed, prompt)], False
     raise TypeError(f"prompt must be a string, token ids, chat messages or a list of these, "
                     f"got {type(prompt).__name__}")
 

@@ -30,7 +30,8 @@ import numpy as np
 from .. import _api
 from ..drafters import Draft, Drafter, NgramDrafter, check_arg
 from . import drafter_pb2 as pb
-from .server import MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, TOKEN_KEY, VERSION, put_until
+from .server import (MAX_DRAFT, MAX_MESSAGE, MAX_TOP_K, PEM_CERTIFICATE, TOKEN_KEY, VERSION,
+                     put_until)
 
 _KEEP_ALL = (1 << 32) - 1  # a keep (uint32) that rolls nothing back
 
@@ -509,7 +510,7 @@ def check_tls_roots(tls):
     """Refuses root certificates that are not PEM: grpc takes anything, and
     every connection would then fail, drafting locally without a word."""
     if tls is not None and (not isinstance(tls, bytes)
-                            or b"-----BEGIN CERTIFICATE-----" not in tls):
+                            or PEM_CERTIFICATE not in tls):
         raise ValueError("tls must be PEM certificate bytes (-----BEGIN CERTIFICATE-----)")
 
 

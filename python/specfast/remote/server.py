@@ -394,6 +394,10 @@ def serve(make_drafter, host: str = "127.0.0.1", port: int = 0, *, auth_token=No
     return server, port
 
 
+# What every PEM certificate holds (grpc takes any bytes, and fails later).
+PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+
+
 def check_tls_pair(tls):
     """Refuses a (certificate, key) that is not PEM: grpc would log a TLS error
     and then say only that it cannot bind the address."""
@@ -401,7 +405,7 @@ def check_tls_pair(tls):
         return
     if not (isinstance(tls, tuple) and len(tls) == 2 and all(isinstance(t, bytes) for t in tls)):
         raise TypeError("tls must be (cert_pem, key_pem) bytes")
-    if b"-----BEGIN CERTIFICATE-----" not in tls[0]:
+    if PEM_CERTIFICATE not in tls[0]:
         raise ValueError("the TLS certificate is not PEM (-----BEGIN CERTIFICATE-----)")
     if not re.search(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----", tls[1]):
         raise ValueError("the TLS key is not a PEM private key (-----BEGIN ... PRIVATE KEY-----)")
