@@ -194,6 +194,48 @@ def test_probs_strided_and_reordered_input(rng, dtype):
     )
 
 
+def cut_rows(rng, vocab):
+    """Rows on which the filters' cuts take their other paths: ties on a grid of 1/8
+    (16-bit logits tie like this), a flat row, a few finite logits among -inf, one
+    spike over a Gaussian tail."""
+    plateaus = np.round(rng.standard_normal(vocab) * 24) / 8
+    flat = np.zeros(vocab)
+    few = np.full(vocab, -np.inf)
+    few[rng.choice(vocab, 12, replace=False)] = rng.standard_normal(12)
+    spike = rng.standard_normal(vocab)
+    spike[rng.integers(vocab)] = 9.0
+    return np.stack([plateaus, flat, few, spike]).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [dict(top_p=0.5), dict(top_p=0.9), dict(top_p=0.999), dict(top_k=1000), dict(top_k=4096),
+     dict(top_k=4097), dict(top_k=25000), dict(top_k=39999), dict(top_k=6000, top_p=0.95)],
+    ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()),
+)
+def test_cuts_on_ties_flat_and_sparse_rows_match_reference(filters, rng):
+    """top_p's search of the row's weights, and top_k's reservoir (up to 4096) and
+    counting scan past it, cut where the sorted reference cuts (ties by lower id) on
+    rows of many ties, a flat row and a row of few finite logits."""
+    V = 40000
+    logits = cut_rows(rng, V)
+    top_k = filters.get("top_k", 0)
+    for r, row in enumerate(logits):
+        tp = filters.get("top_p", 1.0)
+        if r != 1:  # the flat row's masses are all equal steps: no top_p is safe
+            tp, _ = safe_params(as_f64(row), 1.0, top_k, tp)
+        got = sf.probs(row[None], top_k=top_k, top_p=tp)
+        if r == 1:  # the lowest ids, as many as reach top_p of the mass
+            n = min(top_k or V, V)
+            n = math.ceil(float(np.float32(tp)) * n)
+            want = np.zeros((1, V))
+            want[0, :n] = 1 / n
+            np.testing.assert_array_equal(got > 0, want > 0)
+        else:
+            want = ref_probs(row[None], 1.0, top_k, tp, 0.0)
+        check_probs(got, want, "float32", f"row {r}, {filters}")
+
+
 @pytest.mark.parametrize("half", [False, True], ids=["e=1/2", "e-just-below-1/2"])
 def test_top_p_cut_inside_a_large_tie_at_a_power_of_two(rng, half):
     """One token of weight 1, 10000 of 1/2, 29999 of 1/4 (logits -1, -2 at T = 1/ln 2,

@@ -4,7 +4,6 @@
 
 #include <float.h>
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "rowmath.h"
@@ -177,16 +176,41 @@ static float key_logit(uint64_t key) {
 }
 static int32_t key_id(uint64_t key) { return (int32_t)(uint32_t)key; }
 
-static int cmp_u64(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
+/* Sorts keys[0..n) ascending, tmp holding as many: a radix sort by bytes
+ * (stable), from byte `from` up, that skips the bytes all keys share (the
+ * ids' high bits, the low bits of 16-bit logits, every logit byte of a tie):
+ * a few linear passes, not n log n comparisons. */
+static void sort_keys(uint64_t *keys, uint64_t *tmp, int64_t n, int from) {
+    uint64_t all = ~(uint64_t)0, any = 0;
+    for (int64_t i = 0; i < n; i++) {
+        all &= keys[i];
+        any |= keys[i];
+    }
+    uint64_t *src = keys, *dst = tmp;
+    for (int shift = 8 * from; shift < 64; shift += 8) {
+        if (!(((all ^ any) >> shift) & 255)) continue;
+        int64_t at[256] = {0};
+        for (int64_t i = 0; i < n; i++) at[(src[i] >> shift) & 255]++;
+        int64_t sum = 0;
+        for (int d = 0; d < 256; d++) {
+            const int64_t c = at[d];
+            at[d] = sum;
+            sum += c;
+        }
+        for (int64_t i = 0; i < n; i++) dst[at[(src[i] >> shift) & 255]++] = src[i];
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != keys) memcpy(keys, src, (size_t)n * sizeof *keys);
 }
 
-/* Sorts n candidates into keys[], in rank order. */
+/* Sorts n candidates into keys[] (room for 2 n), in rank order; candidates
+ * gathered in id order need sorting by their logits only. */
 static void sort_candidates(const int32_t *ids, const float *vals, int64_t n,
-                            uint64_t *keys) {
+                            uint64_t *keys, int in_id_order) {
     for (int64_t i = 0; i < n; i++) keys[i] = rank_key(vals[i], ids[i]);
-    qsort(keys, (size_t)n, sizeof *keys, cmp_u64);
+    sort_keys(keys, keys + n, n, in_id_order ? 4 : 0);
 }
 
 static uint64_t mass_of(const sf_row *r, float l) {
@@ -198,13 +222,16 @@ static uint64_t mass_of(const sf_row *r, float l) {
  * sets the cut there. Returns 1 when it did. */
 static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n, uint64_t base_mass,
                        int64_t base_count, double goal_mass, int64_t goal_count) {
-    uint64_t prefix = base_mass;
+    uint64_t prefix = base_mass, w = 0;
+    float last = NAN; /* ties share their weight: one exp a logit */
     for (int64_t i = 0; i < n; i++) {
         int reached;
         if (goal_count > 0) {
             reached = base_count + i + 1 >= goal_count;
         } else {
-            prefix += mass_of(r, key_logit(keys[i]));
+            const float l = key_logit(keys[i]);
+            if (!(l == last)) w = mass_of(r, last = l);
+            prefix += w;
             reached = (double)prefix >= goal_mass;
         }
         if (reached) {
@@ -216,19 +243,9 @@ static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n, uint64_t base
     return 0;
 }
 
-/* Mass and count of the tokens at or above the cut (t, id) (min-p not
- * applied). */
-static void mass_above(const sf_kernels *k, const sf_row *r, float t, int32_t id,
-                       uint64_t *mass, int64_t *count) {
-    sf_row at = *r;
-    at.cut_logit = t;
-    at.cut_id = id;
-    at.min_e = 0.0f;
-    sf_weights_in in = {NULL, 1.0f, NULL, 0, 0};
-    sf_weights_out o;
-    weights_all(k, &at, &in, NULL, NULL, &o);
-    *mass = o.total;
-    *count = o.kept;
+/* How many tokens have a logit at or above t (t > -inf). */
+static int64_t count_above(const sf_kernels *k, const sf_row *r, float t) {
+    return k->gather(r, t, INFINITY, NULL, NULL, 0);
 }
 
 /* top_p's cut among the tokens the row keeps (under a top-k cut, if any): the
@@ -236,9 +253,11 @@ static void mass_above(const sf_kernels *k, const sf_row *r, float t, int32_t id
  * weights pass stores each token's e; the exact weights summed by e's float
  * bits (monotone in the logit, so a bucket is a range of logits and equal
  * logits share one) show the bucket where the prefix reaches the goal, and
- * only its tokens are gathered and sorted: the same cut as sorting the whole
- * row, since the masses are exact integers. A prefix reaches the goal at a
- * token of positive weight, so tokens of e = 0 (bucket 0) never matter. */
+ * only its tokens are sorted: the same cut as sorting the whole row, since
+ * the masses are exact integers. Only tokens of weight w_min or more are
+ * summed: the others, fewer than the vocabulary, hold less than the mass
+ * past the goal, and rank after all of them (e is monotone), so the prefix
+ * reaches the goal first. On a model's row that leaves few tokens. */
 static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float top_p) {
     const int64_t n = r->vocab;
     const size_t e_bytes = ((size_t)n * 4 + 63) & ~(size_t)63;
@@ -250,31 +269,54 @@ static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float 
     sf_weights_out o;
     weights_all(k, r, &in, NULL, e, &o);
     const double goal = (double)top_p * (double)o.total;
-    memset(mass, 0, SF_TOP_P_BUCKETS * 8);
-    for (int64_t v = 0; v < n; v++) mass[sf_f2u(e[v]) >> SF_TOP_P_SHIFT] += sf_fixed(e[v]);
+    /* 1e-6 under the bound: room for the doubles' rounding. A weight of 0
+     * never reaches the goal, so w_min is 1 at least. */
+    double w_min = floor(((double)o.total - goal) * (1.0 - 1e-6) / (double)n);
+    if (!(w_min >= 1.0)) w_min = 1.0;
+    float e_min = (float)(w_min * 0x1p-40);
+    if ((double)e_min > w_min * 0x1p-40) e_min = nextafterf(e_min, 0.0f);
+    const sf_row er = {.data = e, .dtype = SF_F32, .vocab = n};
+    int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4);
+    float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)n * 4);
+    if (!ids || !vals) return SF_ERR_NO_MEMORY;
+    const int64_t m = k->gather(&er, e_min, INFINITY, ids, vals, n);
+    const uint32_t lowest = sf_f2u(e_min) >> SF_TOP_P_SHIFT;
+    memset(mass + lowest, 0, (SF_TOP_P_BUCKETS - lowest) * 8);
+    /* A run of one bucket is summed in a register: a row of ties would
+     * otherwise wait on each add to memory. */
+    uint32_t run = lowest;
+    uint64_t run_mass = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const uint32_t bi = sf_f2u(vals[i]) >> SF_TOP_P_SHIFT;
+        if (bi != run) {
+            mass[run] += run_mass;
+            run = bi;
+            run_mass = 0;
+        }
+        run_mass += sf_fixed(vals[i]);
+    }
+    mass[run] += run_mass;
     uint64_t above = 0;
     uint32_t b = SF_TOP_P_BUCKETS - 1;
-    while (b > 0 && (double)(above + mass[b]) < goal) above += mass[b--];
-    if (b == 0) return SF_OK; /* unreachable: the buckets hold the total */
-    /* The bucket's tokens: e in [b, b + 1) << SHIFT, found in e as a row. */
-    const sf_row er = {.data = e, .dtype = SF_F32, .vocab = n};
-    const float e_lo = sf_u2f(b << SF_TOP_P_SHIFT), e_hi = sf_u2f((b + 1) << SF_TOP_P_SHIFT);
-    int64_t m = k->gather(&er, e_lo, e_hi, NULL, NULL, 0);
-    int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)m * 4 + 4);
-    float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)m * 4 + 4);
-    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)m * 8 + 8);
-    if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
-    m = k->gather(&er, e_lo, e_hi, ids, vals, m);
-    for (int64_t i = 0; i < m; i++) vals[i] = sf_load(r->data, r->dtype, ids[i]);
-    sort_candidates(ids, vals, m, keys);
-    cut_at_goal(r, keys, m, above, 0, goal, 0);
+    while (b > lowest && (double)(above + mass[b]) < goal) above += mass[b--];
+    /* The bucket's tokens, with their logits. */
+    int64_t c = 0;
+    for (int64_t i = 0; i < m; i++) {
+        if (sf_f2u(vals[i]) >> SF_TOP_P_SHIFT != b) continue;
+        ids[c] = ids[i];
+        vals[c++] = sf_load(r->data, r->dtype, ids[i]);
+    }
+    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)c * 16 + 8);
+    if (!keys) return SF_ERR_NO_MEMORY;
+    sort_candidates(ids, vals, c, keys, 1);
+    cut_at_goal(r, keys, c, above, 0, goal, 0);
     return SF_OK;
 }
 
 /* A large top-k's cut (past the reservoir): the first goal_count tokens in
- * rank order. Bisects on the logit until few tokens lie between the pivots,
- * then sorts just those. Counts are exact, so the cut is the same whatever
- * the order of the passes. Tokens below max - 128 / c weigh 0 (2^-128 of the
+ * rank order. Bisects on the logit, by counting passes, until few tokens
+ * lie between the pivots, then sorts just those. Counts are exact, so the
+ * cut is the same whatever the order of the passes. Tokens below max - 128 / c weigh 0 (2^-128 of the
  * max): a cut among them changes no probability, so a count reaching below
  * there cuts at that floor; it still cuts (a cut reads q only at kept tokens,
  * and does not check its sum) where the row has goal_count finite logits, as
@@ -282,35 +324,33 @@ static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float 
 static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s, int64_t goal_count) {
     float lo = r->max - 128.0f / r->c;
     if (!(lo > -FLT_MAX)) lo = -FLT_MAX;
-    uint64_t mass;
-    int64_t c_lo, c_hi = 0, c_mid;
-    mass_above(k, r, lo, INT32_MAX, &mass, &c_lo);
+    int64_t c_lo = count_above(k, r, lo);
     if (c_lo <= goal_count) {
         int64_t finite = c_lo;
-        if (c_lo < goal_count && lo > -FLT_MAX)
-            mass_above(k, r, -FLT_MAX, INT32_MAX, &mass, &finite);
+        if (c_lo < goal_count && lo > -FLT_MAX) finite = count_above(k, r, -FLT_MAX);
         if (finite >= goal_count) {
             r->cut_logit = lo;
             r->cut_id = INT32_MAX;
         }
         return SF_OK;
     }
+    int64_t c_hi = 0;
     float hi = INFINITY;
     for (;;) {
         float mid = hi == INFINITY ? r->max : lo * 0.5f + hi * 0.5f;
         if (c_lo - c_hi <= SF_TOP_K_SORT || mid <= lo || mid >= hi) break;
-        mass_above(k, r, mid, INT32_MAX, &mass, &c_mid);
+        const int64_t c_mid = count_above(k, r, mid);
         if (c_mid >= goal_count) { lo = mid; c_lo = c_mid; }
         else { hi = mid; c_hi = c_mid; }
     }
     const int64_t n = c_lo - c_hi;
     int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4 + 4);
     float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)n * 4 + 4);
-    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)n * 8 + 8);
+    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)n * 16 + 8);
     if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
     int64_t got = k->gather(r, lo, hi, ids, vals, n);
     if (got > n) got = n;
-    sort_candidates(ids, vals, got, keys);
+    sort_candidates(ids, vals, got, keys, 1);
     cut_at_goal(r, keys, got, 0, c_hi, 0.0, goal_count);
     return SF_OK;
 }
@@ -354,7 +394,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         int64_t cap = 2 * (int64_t)p->top_k + 1024;
         int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)cap * 4);
         float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)cap * 4);
-        keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)cap * 8);
+        keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)cap * 16);
         if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
         r->next = next;
         r->next_until = next_until;
@@ -362,7 +402,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (nc == 0) return SF_ERR_ALL_MASKED;
-        sort_candidates(ids, vals, nc, keys);
+        sort_candidates(ids, vals, nc, keys, 0);
         m = key_logit(keys[0]);
         if (m == INFINITY) return SF_ERR_LOGITS;
         if (nc == p->top_k) {

@@ -99,8 +99,8 @@ typedef struct sf_kernels {
     /* Gumbel-max over the kept tokens: argmax of (l - max) * inv_t + G(v),
      * G from Philox at (seed, position, NOISE, v / 4); lowest id on ties. */
     int64_t (*coupled_argmax)(const sf_row *row, uint64_t seed, int64_t position);
-    /* Writes the ids and logits of tokens with lo <= l < hi (at most `cap`)
-     * and returns how many there are. */
+    /* Writes the ids and logits of tokens with lo <= l < hi (at most `cap`;
+     * 0: none, a count only) and returns how many there are. */
     int64_t (*gather)(const sf_row *row, float lo, float hi, int32_t *ids,
                       float *vals, int64_t cap);
     /* The top k tokens by (logit descending, id ascending), unordered, into

@@ -491,11 +491,25 @@ static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) 
 static int64_t gather(const sf_row *r, float lo, float hi, int32_t *ids,
                       float *vals, int64_t cap) {
     const int64_t n = r->vocab;
+    if (!cap) { /* a count only, in the lanes */
+        vi count = vi_set(0);
+        for (int64_t i = 0; i < n; i += SF_W) {
+            vf x = load_chunk(r->data, r->dtype, i, n);
+            count -= (x >= lo) & (x < hi);
+        }
+        int64_t total = 0;
+        for (int j = 0; j < SF_W; j++) total += (uint32_t)count[j];
+        return total;
+    }
     int64_t count = 0;
     for (int64_t i = 0; i < n; i += SF_W) {
         vf x = load_chunk(r->data, r->dtype, i, n);
         vi hit = (x >= lo) & (x < hi);
         if (!vany(hit)) continue;
+        if (count + SF_W <= cap) { /* room for vcompress's whole vectors */
+            count += vcompress(hit, x, vi_iota((int32_t)i), vals + count, ids + count);
+            continue;
+        }
         for (int j = 0; j < SF_W; j++) {
             if (!hit[j]) continue;
             if (count < cap) { ids[count] = (int32_t)(i + j); vals[count] = x[j]; }

@@ -40,16 +40,10 @@ static inline float sf_resid(float b, float scale, float q) {
     return (x > 0.0f) & (b > 0.0f) ? x : 0.0f;
 }
 
-/* floor(r * 2^40) for 0 <= r < 2048, through two exact 20-bit halves so
- * that vector units without float-to-int64 conversion compute it too. */
-static inline int32_t sf_fixed_hi(float r) { return (int32_t)(r * 1048576.0f); }
-static inline int32_t sf_fixed_lo(float r, int32_t hi) {
-    return (int32_t)((r * 1048576.0f - (float)hi) * 1048576.0f);
-}
-static inline uint64_t sf_fixed(float r) {
-    int32_t hi = sf_fixed_hi(r);
-    return ((uint64_t)hi << 20) + (uint64_t)sf_fixed_lo(r, hi);
-}
+/* floor(r * 2^40) for 0 <= r < 2048, as the vector passes form it (through
+ * two exact 20-bit halves, for units without float-to-int64 conversion):
+ * r * 2^40 is exact, and its conversion truncates. */
+static inline uint64_t sf_fixed(float r) { return (uint64_t)(int64_t)(r * 0x1p40f); }
 
 /* A token's weight as the weights pass computes it. */
 static inline uint64_t sf_weight_at(const sf_row *r, const sf_weights_in *in,
