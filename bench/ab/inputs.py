@@ -1,7 +1,7 @@
 """Writes one case of `specfast bench` (its synthetic inputs) to a file for ab.c.
 
     python bench/ab/inputs.py OUT --batch 64 --draft-len 4 --vocab 151936 --draft-probs dense
-        [--filters topk50-topp0.9] [--method coupled]
+        [--filters topk50-topp0.9 | --top-k K --top-p P] [--method coupled]
 
 The file holds a header of int64 (batch, draft_len, vocab, dense q, top_k) and a float64
 top_p, then the float32 logits, the int32 draft tokens, the uint64 seeds, the int64
@@ -23,6 +23,8 @@ def main():
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--draft-probs", choices=["none", "dense"], default="none")
     p.add_argument("--filters", choices=list(bc.FILTERS), default="none")
+    p.add_argument("--top-k", type=int, help="instead of --filters' top_k")
+    p.add_argument("--top-p", type=float, help="instead of --filters' top_p")
     p.add_argument("--method", choices=["rejection", "coupled"], default="rejection",
                    help="coupled: drafts are the drafter's coupled samples (time with AB_METHOD=coupled)")
     p.add_argument("--seed", type=int, default=0)
@@ -33,9 +35,10 @@ def main():
     dense = inp.q_dense is not None
     with open(a.out, "wb") as f:
         params = bc.FILTERS[a.filters]
-        f.write(np.array([a.batch, a.draft_len, a.vocab, int(dense), params.get("top_k", 0)],
-                         np.int64).tobytes())
-        f.write(np.array([params.get("top_p", 1.0)], np.float64).tobytes())
+        top_k = params.get("top_k", 0) if a.top_k is None else a.top_k
+        top_p = params.get("top_p", 1.0) if a.top_p is None else a.top_p
+        f.write(np.array([a.batch, a.draft_len, a.vocab, int(dense), top_k], np.int64).tobytes())
+        f.write(np.array([top_p], np.float64).tobytes())
         for x in (inp.logits, inp.tokens, inp.seed, inp.position):
             f.write(np.ascontiguousarray(x).tobytes())
         if dense:

@@ -16,6 +16,11 @@
 #define SF_TOP_P_BUCKETS ((0x3F800000 >> SF_TOP_P_SHIFT) + 1)
 /* Up to this top_k a one-pass reservoir finds the cut; above, a cut scan. */
 #define SF_TOP_K_RESERVOIR 4096
+/* Tokens spread evenly over a row whose order estimates where its k-th best
+ * lies (top-k), on rows of 4 times as many tokens or more. */
+#define SF_SAMPLE 2048
+/* From this top_k the reservoir takes a floor from the sample. */
+#define SF_TOP_K_FLOOR 256
 
 /* A lone request's row is split across threads from this many tokens; the
  * max and bound passes, a few operations a token, from SF_SPLIT_VOCAB_CHEAP
@@ -181,6 +186,15 @@ static int32_t key_id(uint64_t key) { return (int32_t)(uint32_t)key; }
  * ids' high bits, the low bits of 16-bit logits, every logit byte of a tie):
  * a few linear passes, not n log n comparisons. */
 static void sort_keys(uint64_t *keys, uint64_t *tmp, int64_t n, int from) {
+    if (n <= 64) { /* fewer steps than a radix pass's 256 counts */
+        for (int64_t i = 1; i < n; i++) {
+            const uint64_t key = keys[i];
+            int64_t j = i;
+            for (; j > 0 && keys[j - 1] > key; j--) keys[j] = keys[j - 1];
+            keys[j] = key;
+        }
+        return;
+    }
     uint64_t all = ~(uint64_t)0, any = 0;
     for (int64_t i = 0; i < n; i++) {
         all &= keys[i];
@@ -211,6 +225,33 @@ static void sort_candidates(const int32_t *ids, const float *vals, int64_t n,
                             uint64_t *keys, int in_id_order) {
     for (int64_t i = 0; i < n; i++) keys[i] = rank_key(vals[i], ids[i]);
     sort_keys(keys, keys + n, n, in_id_order ? 4 : 0);
+}
+
+/* The rank keys of SF_SAMPLE tokens spread evenly over the row, sorted into
+ * keys[] (room for 2 SF_SAMPLE); NULL where the row is too short to sample. */
+static const uint64_t *sample_row(const sf_row *r, uint64_t *keys) {
+    const int64_t n = r->vocab, step = n / SF_SAMPLE;
+    if (step < 4) return NULL;
+    for (int64_t i = 0; i < SF_SAMPLE; i++) {
+        const int64_t v = i * step + step / 2;
+        keys[i] = rank_key(sf_load(r->data, r->dtype, v), (int32_t)v);
+    }
+    sort_keys(keys, keys + SF_SAMPLE, SF_SAMPLE, 4); /* in id order */
+    return keys;
+}
+
+/* The logit at which the row likely holds `count` tokens or more (more == 1)
+ * or fewer (more == 0), from its sample: the sample's best at the expected
+ * rank of the count-th, 3 standard deviations (and 2 ranks) beyond, and
+ * `spare` times more on the side of more. -inf (more) or +inf where the
+ * sample cannot tell. A wrong guess costs a pass, never the result. */
+static float sampled_logit(const uint64_t *sample, int64_t n, int64_t count, int more,
+                           double spare) {
+    const double mean = (double)count * SF_SAMPLE / (double)n;
+    const double off = 3.0 * sqrt(mean) + 2.0;
+    const double j = more ? ceil(mean * spare + off) : floor(mean - off);
+    if (j < 1.0 || j > SF_SAMPLE) return more ? -INFINITY : INFINITY;
+    return key_logit(sample[(int64_t)j - 1]);
 }
 
 static uint64_t mass_of(const sf_row *r, float l) {
@@ -261,7 +302,7 @@ static int64_t count_above(const sf_kernels *k, const sf_row *r, float t) {
 static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float top_p) {
     const int64_t n = r->vocab;
     const size_t e_bytes = ((size_t)n * 4 + 63) & ~(size_t)63;
-    char *buf = sf_scratch_get(s, SF_SLOT_CUT, e_bytes + SF_TOP_P_BUCKETS * 8);
+    char *buf = sf_scratch_get(s, SF_SLOT_CUT, e_bytes + SF_TOP_P_BUCKETS * 32);
     if (!buf) return SF_ERR_NO_MEMORY;
     float *e = (float *)buf;
     uint64_t *mass = (uint64_t *)(buf + e_bytes);
@@ -281,24 +322,18 @@ static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float 
     if (!ids || !vals) return SF_ERR_NO_MEMORY;
     const int64_t m = k->gather(&er, e_min, INFINITY, ids, vals, n);
     const uint32_t lowest = sf_f2u(e_min) >> SF_TOP_P_SHIFT;
-    memset(mass + lowest, 0, (SF_TOP_P_BUCKETS - lowest) * 8);
-    /* A run of one bucket is summed in a register: a row of ties would
-     * otherwise wait on each add to memory. */
-    uint32_t run = lowest;
-    uint64_t run_mass = 0;
-    for (int64_t i = 0; i < m; i++) {
-        const uint32_t bi = sf_f2u(vals[i]) >> SF_TOP_P_SHIFT;
-        if (bi != run) {
-            mass[run] += run_mass;
-            run = bi;
-            run_mass = 0;
-        }
-        run_mass += sf_fixed(vals[i]);
-    }
-    mass[run] += run_mass;
+    /* Each bucket's sum in 4 parts, token i adding to part i % 4: a run of
+     * ties then waits on an add to memory every 4th token, not every one. */
+    memset(mass + 4 * lowest, 0, (SF_TOP_P_BUCKETS - lowest) * 32);
+    for (int64_t i = 0; i < m; i++)
+        mass[4 * (sf_f2u(vals[i]) >> SF_TOP_P_SHIFT) + (i & 3)] += sf_fixed(vals[i]);
     uint64_t above = 0;
     uint32_t b = SF_TOP_P_BUCKETS - 1;
-    while (b > lowest && (double)(above + mass[b]) < goal) above += mass[b--];
+    for (;; b--) {
+        const uint64_t *p = mass + 4 * b, in_b = p[0] + p[1] + p[2] + p[3];
+        if (b == lowest || (double)(above + in_b) >= goal) break;
+        above += in_b;
+    }
     /* The bucket's tokens, with their logits. */
     int64_t c = 0;
     for (int64_t i = 0; i < m; i++) {
@@ -313,45 +348,73 @@ static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float 
     return SF_OK;
 }
 
+/* Two pivots on the logit and the tokens at or above each: at least the goal
+ * at lo, fewer at hi. */
+typedef struct bracket {
+    float lo, hi;
+    int64_t c_lo, c_hi;
+} bracket;
+
+/* Moves a pivot of `b` to t, where count_above is c. */
+static void narrow(bracket *b, float t, int64_t c, int64_t goal_count) {
+    if (c >= goal_count) {
+        b->lo = t;
+        b->c_lo = c;
+    } else {
+        b->hi = t;
+        b->c_hi = c;
+    }
+}
+
 /* A large top-k's cut (past the reservoir): the first goal_count tokens in
- * rank order. Bisects on the logit, by counting passes, until few tokens
- * lie between the pivots, then sorts just those. Counts are exact, so the
- * cut is the same whatever the order of the passes. Tokens below max - 128 / c weigh 0 (2^-128 of the
- * max): a cut among them changes no probability, so a count reaching below
- * there cuts at that floor; it still cuts (a cut reads q only at kept tokens,
- * and does not check its sum) where the row has goal_count finite logits, as
- * the reservoir's cut and CUDA's do. */
+ * rank order. Counting passes move two pivots on the logit until few tokens
+ * lie between them, then just those are sorted: first to where the row's
+ * sample puts a little more and a little fewer than goal_count, then by
+ * halves. Counts are exact, so the cut is the same whatever the pivots.
+ * Tokens below max - 128 / c weigh 0 (2^-128 of the max): a cut among them
+ * changes no probability, so a count reaching below there cuts at that
+ * floor; it still cuts (a cut reads q only at kept tokens, and does not
+ * check its sum) where the row has goal_count finite logits, as the
+ * reservoir's cut and CUDA's do. */
 static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s, int64_t goal_count) {
-    float lo = r->max - 128.0f / r->c;
-    if (!(lo > -FLT_MAX)) lo = -FLT_MAX;
-    int64_t c_lo = count_above(k, r, lo);
-    if (c_lo <= goal_count) {
-        int64_t finite = c_lo;
-        if (c_lo < goal_count && lo > -FLT_MAX) finite = count_above(k, r, -FLT_MAX);
+    bracket b = {r->max - 128.0f / r->c, INFINITY, 0, 0};
+    if (!(b.lo > -FLT_MAX)) b.lo = -FLT_MAX;
+    b.c_lo = count_above(k, r, b.lo);
+    if (b.c_lo <= goal_count) {
+        int64_t finite = b.c_lo;
+        if (b.c_lo < goal_count && b.lo > -FLT_MAX) finite = count_above(k, r, -FLT_MAX);
         if (finite >= goal_count) {
-            r->cut_logit = lo;
+            r->cut_logit = b.lo;
             r->cut_id = INT32_MAX;
         }
         return SF_OK;
     }
-    int64_t c_hi = 0;
-    float hi = INFINITY;
-    for (;;) {
-        float mid = hi == INFINITY ? r->max : lo * 0.5f + hi * 0.5f;
-        if (c_lo - c_hi <= SF_TOP_K_SORT || mid <= lo || mid >= hi) break;
-        const int64_t c_mid = count_above(k, r, mid);
-        if (c_mid >= goal_count) { lo = mid; c_lo = c_mid; }
-        else { hi = mid; c_hi = c_mid; }
+    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, SF_SAMPLE * 16);
+    if (!keys) return SF_ERR_NO_MEMORY;
+    const uint64_t *sample = sample_row(r, keys);
+    for (int more = 1; sample && more >= 0; more--) {
+        const float t = sampled_logit(sample, r->vocab, goal_count, more, 1.0);
+        if (t > b.lo && t < b.hi) narrow(&b, t, count_above(k, r, t), goal_count);
     }
-    const int64_t n = c_lo - c_hi;
+    for (;;) {
+        const float mid = b.hi == INFINITY ? r->max : b.lo * 0.5f + b.hi * 0.5f;
+        if (b.c_lo - b.c_hi <= SF_TOP_K_SORT || mid <= b.lo || mid >= b.hi) break;
+        const int64_t c_hi = b.c_hi;
+        narrow(&b, mid, count_above(k, r, mid), goal_count);
+        /* None between mid and hi: those left may all tie at lo, which
+         * halving never splits; the next float above lo tells. */
+        const float next = nextafterf(b.lo, INFINITY);
+        if (b.c_hi == c_hi && next < b.hi) narrow(&b, next, count_above(k, r, next), goal_count);
+    }
+    const int64_t n = b.c_lo - b.c_hi;
     int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4 + 4);
     float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)n * 4 + 4);
-    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)n * 16 + 8);
+    keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)n * 16 + 8);
     if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
-    int64_t got = k->gather(r, lo, hi, ids, vals, n);
+    int64_t got = k->gather(r, b.lo, b.hi, ids, vals, n);
     if (got > n) got = n;
     sort_candidates(ids, vals, got, keys, 1);
-    cut_at_goal(r, keys, got, 0, c_hi, 0.0, goal_count);
+    cut_at_goal(r, keys, got, 0, b.c_hi, 0.0, goal_count);
     return SF_OK;
 }
 
@@ -394,11 +457,19 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         int64_t cap = 2 * (int64_t)p->top_k + 1024;
         int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)cap * 4);
         float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)cap * 4);
-        keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)cap * 16);
+        keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)(cap > SF_SAMPLE ? cap : SF_SAMPLE) * 16);
         if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
         r->next = next;
         r->next_until = next_until;
-        nc = k->topk(r, p->top_k, ids, vals, cap, &bad);
+        /* A floor where the row likely holds 1.5 k tokens: the others never
+         * enter the reservoir, which then rarely fills. (A small k's
+         * reservoir, in a row of random order, does not fill anyway.) */
+        const uint64_t *sample = p->top_k >= SF_TOP_K_FLOOR ? sample_row(r, keys) : NULL;
+        const float floor =
+            sample ? sampled_logit(sample, vocab, p->top_k, 1, 1.5) : -INFINITY;
+        nc = k->topk(r, p->top_k, floor, ids, vals, cap, &bad);
+        if (!bad && nc < p->top_k && floor > -INFINITY) /* the guess was too high */
+            nc = k->topk(r, p->top_k, -INFINITY, ids, vals, cap, &bad);
         r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (nc == 0) return SF_ERR_ALL_MASKED;
@@ -520,7 +591,9 @@ double sf_dist_prob(const sf_dist *d, int64_t v) {
 
 void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
                            int64_t n) {
-    /* New weights of the ids, all from the old total; ids are distinct. */
+    /* New weights of the ids, all from the old total; ids are distinct. The
+     * blocks take them at once (wrapping sums), and give them back where q
+     * covers all of p. */
     const double z = (double)d->total;
     uint64_t total = d->total;
     int64_t m = 0;
@@ -530,18 +603,17 @@ void sf_dist_reject_sparse(sf_dist *d, const int32_t *ids, const float *probs,
         uint64_t sub = (uint64_t)((double)probs[i] * z);
         uint64_t nw = w > sub ? w - sub : 0;
         total = total - w + nw;
+        d->blocks[ids[i] / SF_BLOCK] += nw - w;
         d->over_id[d->n_over + m] = ids[i];
         d->over_w[d->n_over + m] = nw;
         m++;
     }
-    if (total == 0) return; /* q covers all of p (measure zero): keep p */
-    for (int64_t i = 0; i < m; i++) {
-        int32_t id = d->over_id[d->n_over];
-        uint64_t old = weight(d, id);
-        uint64_t *b = &d->blocks[id / SF_BLOCK];
-        *b = *b - old + d->over_w[d->n_over];
-        d->n_over++;
+    if (total == 0) { /* measure zero: keep p */
+        for (int64_t i = d->n_over; i < d->n_over + m; i++)
+            d->blocks[d->over_id[i] / SF_BLOCK] += weight(d, d->over_id[i]) - d->over_w[i];
+        return;
     }
+    d->n_over += m;
     d->total = total;
 }
 
@@ -623,11 +695,14 @@ static int32_t draw_at(const sf_dist *d, const sf_kernels *k, uint64_t target) {
     k->weights(&d->row, &in, NULL, r, &o);
     const int64_t start = b * SF_BLOCK;
     const int64_t end = start + SF_BLOCK < d->row.vocab ? start + SF_BLOCK : d->row.vocab;
+    uint64_t w_of[SF_BLOCK];
+    for (int64_t v = start; v < end; v++) w_of[v - start] = sf_fixed(r[v - start]);
+    for (int64_t i = 0; i < d->n_over; i++) /* in order: the last override holds */
+        if (d->over_id[i] >= start && d->over_id[i] < end)
+            w_of[d->over_id[i] - start] = d->over_w[i];
     int64_t last = -1;
     for (int64_t v = start; v < end; v++) {
-        uint64_t w = sf_fixed(r[v - start]);
-        for (int64_t i = d->n_over - 1; i >= 0; i--)
-            if (d->over_id[i] == v) { w = d->over_w[i]; break; }
+        const uint64_t w = w_of[v - start];
         if (!w) continue;
         cum += w;
         last = v;

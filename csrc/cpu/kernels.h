@@ -103,13 +103,15 @@ typedef struct sf_kernels {
      * 0: none, a count only) and returns how many there are. */
     int64_t (*gather)(const sf_row *row, float lo, float hi, int32_t *ids,
                       float *vals, int64_t cap);
-    /* The top k tokens by (logit descending, id ascending), unordered, into
-     * ids/vals (capacity cap >= 2 k); returns how many (fewer than k only
-     * when the row has fewer finite logits). *bad is set when a NaN is met
+    /* The top k tokens by (logit descending, id ascending) among those above
+     * `floor`, unordered, into ids/vals (capacity cap >= 2 k); returns how
+     * many (fewer than k only when fewer lie above floor). A floor is the
+     * caller's guess, where a row holds more than k tokens, that keeps most
+     * others out: -inf for none. *bad is set when a NaN is met
      * (a +inf shows as the best candidate), so this pass can be the max pass
      * too; like it, it prefetches row->next until the max passes
      * row->next_until. */
-    int64_t (*topk)(const sf_row *row, int64_t k, int32_t *ids, float *vals,
+    int64_t (*topk)(const sf_row *row, int64_t k, float floor, int32_t *ids, float *vals,
                     int64_t cap, int *bad);
 } sf_kernels;
 
