@@ -19,7 +19,7 @@
 /* Tokens spread evenly over a row whose order estimates where its k-th best
  * lies (top-k), on rows of 4 times as many tokens or more. */
 #define SF_SAMPLE 2048
-/* From this top_k the reservoir takes a floor from the sample. */
+/* From this top_k the reservoir takes its entry bar from the sample. */
 #define SF_TOP_K_FLOOR 256
 
 /* A lone request's row is split across threads from this many tokens; the
@@ -404,7 +404,8 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s, int64_t
         /* None between mid and hi: those left may all tie at lo, which
          * halving never splits; the next float above lo tells. */
         const float next = nextafterf(b.lo, INFINITY);
-        if (b.c_hi == c_hi && next < b.hi) narrow(&b, next, count_above(k, r, next), goal_count);
+        if (b.hi == mid && b.c_hi == c_hi && next < b.hi)
+            narrow(&b, next, count_above(k, r, next), goal_count);
     }
     const int64_t n = b.c_lo - b.c_hi;
     int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4 + 4);
@@ -461,14 +462,14 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
         r->next = next;
         r->next_until = next_until;
-        /* A floor where the row likely holds 1.5 k tokens: the others never
+        /* A bar where the row likely holds 1.5 k tokens: the others never
          * enter the reservoir, which then rarely fills. (A small k's
          * reservoir, in a row of random order, does not fill anyway.) */
         const uint64_t *sample = p->top_k >= SF_TOP_K_FLOOR ? sample_row(r, keys) : NULL;
-        const float floor =
+        const float bar =
             sample ? sampled_logit(sample, vocab, p->top_k, 1, 1.5) : -INFINITY;
-        nc = k->topk(r, p->top_k, floor, ids, vals, cap, &bad);
-        if (!bad && nc < p->top_k && floor > -INFINITY) /* the guess was too high */
+        nc = k->topk(r, p->top_k, bar, ids, vals, cap, &bad);
+        if (!bad && nc < p->top_k && bar > -INFINITY) /* the guess was too high */
             nc = k->topk(r, p->top_k, -INFINITY, ids, vals, cap, &bad);
         r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;

@@ -104,14 +104,14 @@ typedef struct sf_kernels {
     int64_t (*gather)(const sf_row *row, float lo, float hi, int32_t *ids,
                       float *vals, int64_t cap);
     /* The top k tokens by (logit descending, id ascending) among those above
-     * `floor`, unordered, into ids/vals (capacity cap >= 2 k); returns how
-     * many (fewer than k only when fewer lie above floor). A floor is the
+     * `bar`, unordered, into ids/vals (capacity cap >= 2 k); returns how
+     * many (fewer than k only when fewer lie above bar). A bar is the
      * caller's guess, where a row holds more than k tokens, that keeps most
      * others out: -inf for none. *bad is set when a NaN is met
      * (a +inf shows as the best candidate), so this pass can be the max pass
      * too; like it, it prefetches row->next until the max passes
      * row->next_until. */
-    int64_t (*topk)(const sf_row *row, int64_t k, float floor, int32_t *ids, float *vals,
+    int64_t (*topk)(const sf_row *row, int64_t k, float bar, int32_t *ids, float *vals,
                     int64_t cap, int *bad);
 } sf_kernels;
 

@@ -556,11 +556,11 @@ static void select_best(int32_t *ids, float *vals, int64_t n, int64_t k) {
     }
 }
 
-static int64_t topk(const sf_row *r, int64_t k, float floor, int32_t *ids, float *vals,
+static int64_t topk(const sf_row *r, int64_t k, float bar, int32_t *ids, float *vals,
                     int64_t cap, int *bad) {
     const int64_t n = r->vocab;
     int64_t count = 0;
-    float thr = floor; /* a token enters only above the k-th best so far */
+    float thr = bar; /* a token enters only above the k-th best so far */
     vi nan = vi_set(0);
     sf_ahead pf = r->next;
     vf mx = vf_set(-INFINITY); /* for the prefetch switch only */

@@ -745,10 +745,10 @@ def verify(target_logits, draft_tokens, num_draft, *, draft_probs=None, parents=
     -----
     Limits: ``V <= 2**24 - 2**15``, ``B <= 2**20``, at most 1024 draft nodes per request;
     beyond them a ValueError. Memory: besides the outputs and 8 bytes per request,
-    each pool thread keeps scratch between calls of at most about ``28 * V`` bytes
-    (``V / 32`` for block sums; ``8 * V`` with dense draft probabilities in a tree
-    with siblings; up to ``16 * V`` for the candidates of the cut of ``top_p``
-    without ``top_k`` or of ``top_k > 4096``, and ``4 * V`` + 128 KiB for the
+    each pool thread keeps scratch between calls of at most about ``36 * V`` bytes
+    + 508 KiB (``V / 32`` for block sums; ``8 * V`` with dense draft probabilities in
+    a tree with siblings; up to ``24 * V`` for the candidates of the cut of ``top_p``
+    without ``top_k`` or of ``top_k > 4096``, and ``4 * V`` + 508 KiB for the
     former's histogram)
     plus ``16 * K`` bytes per draft node with :class:`SparseProbs` of width K.
     In rejection sampling the residual ``max(0, p - q)`` of a rejected last
