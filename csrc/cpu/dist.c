@@ -20,7 +20,7 @@
  * lies (top-k), on rows of 4 times as many tokens or more. */
 #define SF_SAMPLE 2048
 /* From this top_k the reservoir takes its entry bar from the sample. */
-#define SF_TOP_K_FLOOR 256
+#define SF_TOP_K_BAR 256
 
 /* A lone request's row is split across threads from this many tokens; the
  * max and bound passes, a few operations a token, from SF_SPLIT_VOCAB_CHEAP
@@ -465,7 +465,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         /* A bar where the row likely holds 1.5 k tokens: the others never
          * enter the reservoir, which then rarely fills. (A small k's
          * reservoir, in a row of random order, does not fill anyway.) */
-        const uint64_t *sample = p->top_k >= SF_TOP_K_FLOOR ? sample_row(r, keys) : NULL;
+        const uint64_t *sample = p->top_k >= SF_TOP_K_BAR ? sample_row(r, keys) : NULL;
         const float bar =
             sample ? sampled_logit(sample, vocab, p->top_k, 1, 1.5) : -INFINITY;
         nc = k->topk(r, p->top_k, bar, ids, vals, cap, &bad);
