@@ -227,11 +227,13 @@ static void sort_candidates(const int32_t *ids, const float *vals, int64_t n,
     sort_keys(keys, keys + n, n, in_id_order ? 4 : 0);
 }
 
-/* The rank keys of SF_SAMPLE tokens spread evenly over the row, sorted into
- * keys[] (room for 2 SF_SAMPLE); NULL where the row is too short to sample. */
-static const uint64_t *sample_row(const sf_row *r, uint64_t *keys) {
+/* The rank keys of SF_SAMPLE tokens spread evenly over the row, sorted, in
+ * the scratch's keys slot (valid until its next use); NULL where the row is
+ * too short to sample, or no memory is left for it (then no guess is made). */
+static const uint64_t *sample_row(const sf_row *r, sf_scratch *s) {
     const int64_t n = r->vocab, step = n / SF_SAMPLE;
-    if (step < 4) return NULL;
+    uint64_t *keys = step >= 4 ? sf_scratch_get(s, SF_SLOT_KEYS, SF_SAMPLE * 16) : NULL;
+    if (!keys) return NULL;
     for (int64_t i = 0; i < SF_SAMPLE; i++) {
         const int64_t v = i * step + step / 2;
         keys[i] = rank_key(sf_load(r->data, r->dtype, v), (int32_t)v);
@@ -389,9 +391,7 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s, int64_t
         }
         return SF_OK;
     }
-    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, SF_SAMPLE * 16);
-    if (!keys) return SF_ERR_NO_MEMORY;
-    const uint64_t *sample = sample_row(r, keys);
+    const uint64_t *sample = sample_row(r, s);
     for (int more = 1; sample && more >= 0; more--) {
         const float t = sampled_logit(sample, r->vocab, goal_count, more, 1.0);
         if (t > b.lo && t < b.hi) narrow(&b, t, count_above(k, r, t), goal_count);
@@ -410,7 +410,7 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s, int64_t
     const int64_t n = b.c_lo - b.c_hi;
     int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)n * 4 + 4);
     float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)n * 4 + 4);
-    keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)n * 16 + 8);
+    uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)n * 16 + 8);
     if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
     int64_t got = k->gather(r, b.lo, b.hi, ids, vals, n);
     if (got > n) got = n;
@@ -458,14 +458,13 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         int64_t cap = 2 * (int64_t)p->top_k + 1024;
         int32_t *ids = sf_scratch_get(s, SF_SLOT_IDS, (size_t)cap * 4);
         float *vals = sf_scratch_get(s, SF_SLOT_VALS, (size_t)cap * 4);
-        keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)(cap > SF_SAMPLE ? cap : SF_SAMPLE) * 16);
-        if (!ids || !vals || !keys) return SF_ERR_NO_MEMORY;
+        if (!ids || !vals) return SF_ERR_NO_MEMORY;
         r->next = next;
         r->next_until = next_until;
         /* A bar where the row likely holds 1.5 k tokens: the others never
          * enter the reservoir, which then rarely fills. (A small k's
          * reservoir, in a row of random order, does not fill anyway.) */
-        const uint64_t *sample = p->top_k >= SF_TOP_K_BAR ? sample_row(r, keys) : NULL;
+        const uint64_t *sample = p->top_k >= SF_TOP_K_BAR ? sample_row(r, s) : NULL;
         const float bar =
             sample ? sampled_logit(sample, vocab, p->top_k, 1, 1.5) : -INFINITY;
         nc = k->topk(r, p->top_k, bar, ids, vals, cap, &bad);
@@ -474,6 +473,8 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         r->next = (sf_ahead){NULL, 0};
         if (bad) return SF_ERR_LOGITS;
         if (nc == 0) return SF_ERR_ALL_MASKED;
+        keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)cap * 16);
+        if (!keys) return SF_ERR_NO_MEMORY;
         sort_candidates(ids, vals, nc, keys, 0);
         m = key_logit(keys[0]);
         if (m == INFINITY) return SF_ERR_LOGITS;
@@ -633,7 +634,7 @@ static uint64_t q_mass(const float *q, int64_t n, const sf_dist *kept) {
                         : kept->in.base ? kept->in.base[v]
                                         : sf_row_base(&kept->row,
                                                       sf_load(kept->row.data, kept->row.dtype, v), v);
-        if (b != 0.0f && sf_prob_ok(q[v])) m += (uint64_t)(q[v] * (float)SF_MASS_ONE);
+        if (b != 0.0f && sf_prob_ok(q[v])) m += sf_fixed(q[v]);
     }
     return m;
 }
