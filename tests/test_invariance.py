@@ -167,6 +167,76 @@ def test_thread_count_invariance():
 
 
 @pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize("vocab", [16384, 40003, 151936])
+def test_a_lone_coupled_row_split_across_threads_keeps_its_token(vocab):
+    """Coupled sampling of a lone row (sample of one row, verify of one request) runs
+    its race in parts on every thread from this vocabulary on; the token must be the
+    one a single thread finds. Rows are flat enough that most of the race is drawn
+    (Gaussian at scale 0.5 and temperature 2: tokens far from the top win), peaked
+    ones, filtered ones, integer rows full of ties; 40 seeds each, one or three tokens
+    each of 1 to 3 accepted drafts deep."""
+    import specfast as sf
+
+    rng = np.random.default_rng(vocab)
+    rows = [rng.standard_normal(vocab) * s for s in (0.5, 3.0)] + [
+        np.round(rng.standard_normal(vocab) * 2)]
+    cases = [(x.astype(np.float32), f) for x in rows for f in (
+        dict(temperature=2.0), dict(temperature=1.0),
+        dict(temperature=1.5, top_k=vocab // 3), dict(top_p=0.95), dict(min_p=0.01))]
+
+    def run():
+        out = []
+        for x, f in cases:
+            for seed in range(40):
+                t = sf.sample(x[None], seed=seed, position=5, method="coupled", **f)
+                logits = np.stack([x, x[::-1], x, x[::7].repeat(7)[:vocab]])
+                chain = sf.sample(logits, seed=seed, position=np.arange(9, 13),
+                                  method="coupled", **f)[:3]
+                r = sf.verify(logits, chain, [3], seed=seed, position=9, method="coupled", **f)
+                out.append((int(t[0]), r.num_accepted.tolist(), r.tokens.tolist()))
+        return out
+
+    sf.set_num_threads(1)
+    alone = run()
+    for n in (2, 3):
+        sf.set_num_threads(n)
+        assert run() == alone, f"{n} threads"
+    assert len({t for t, _, _ in alone}) > 20  # the noise, not the max, chose them
+
+
+@pytest.mark.usefixtures("restore_threads")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_lone_greedy_row_split_across_threads_takes_the_first_max(threads):
+    """Greedy over a lone wide row reads it in parts on every thread: the token is the
+    first largest logit wherever the parts fall (the max at either end, tied across
+    parts, -inf everywhere but one token), and a NaN in any part is an error."""
+    import specfast as sf
+
+    sf.set_num_threads(threads)
+    rng = np.random.default_rng(threads)
+    for vocab in (40003, 151936):
+        x = rng.standard_normal(vocab).astype(np.float32)
+        rows = []
+        for at in (0, vocab - 1, vocab // 2, *rng.integers(0, vocab, 4)):
+            r = x.copy()
+            r[at] = 9.0
+            rows.append(r)
+        tied = x.copy()
+        tied[[vocab - 5, vocab // 3, 2 * vocab // 3]] = 9.0
+        lone = np.full(vocab, -np.inf, np.float32)
+        lone[vocab - 2] = 0.0
+        for r in rows + [tied, lone]:
+            want = int(np.argmax(r))
+            assert int(sf.sample(r[None], temperature=0.0)[0]) == want
+            res = sf.verify(np.stack([r, r]), [want], [1], temperature=0.0)
+            assert res.num_accepted.tolist() == [1] and res.tokens[0].tolist() == [want, want]
+        bad = x.copy()
+        bad[vocab - 3] = np.nan
+        with pytest.raises(ValueError, match="NaN"):
+            sf.sample(bad[None], temperature=0.0)
+
+
+@pytest.mark.usefixtures("restore_threads")
 def test_set_num_threads_arguments():
     import specfast as sf
 

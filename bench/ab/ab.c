@@ -6,7 +6,7 @@
  *
  *   cc -O2 -I csrc/include bench/ab/ab.c -o /tmp/ab -ldl
  *   /tmp/ab INPUT THREADS build-a/libspecfast.so build-b/libspecfast.so ...
- *   (AB_METHOD=coupled times coupled verification)
+ *   (AB_METHOD=coupled times coupled verification, AB_TEMPERATURE=0 greedy)
  *
  * Each library is loaded with RTLD_LOCAL (its own pool); a short sleep
  * between blocks lets the previous library's spinning workers go to sleep.
@@ -83,7 +83,8 @@ int main(int argc, char **argv) {
     int32_t *out_tokens = malloc((size_t)(batch * (k + 1)) * sizeof(int32_t));
     int32_t *out_acc = malloc((size_t)batch * sizeof(int32_t));
     int32_t *out_nodes = malloc((size_t)(nodes ? nodes : 1) * sizeof(int32_t));
-    const float one = 1.0f, zero = 0.0f;
+    const char *t = getenv("AB_TEMPERATURE");
+    const float one = t ? strtof(t, NULL) : 1.0f, zero = 0.0f;
     const sf_logits lg = {logits, SF_F32, rows, vocab, vocab};
     const sf_draft d = {tokens, nodes, num_draft, batch, NULL,
                         dense ? SF_DRAFT_DENSE : SF_DRAFT_NONE, q, NULL, NULL, 0};
@@ -114,9 +115,9 @@ int main(int argc, char **argv) {
             }
         }
     }
-    printf("%s, batch %lld, draft %lld, vocab %lld, %s q, top_k %d, top_p %g, "
+    printf("%s, temperature %g, batch %lld, draft %lld, vocab %lld, %s q, top_k %d, top_p %g, "
            "%d calls a library\n", method == SF_COUPLED ? "coupled" : "rejection",
-           (long long)batch, (long long)k, (long long)vocab, dense ? "dense" : "no", top_k,
+           one, (long long)batch, (long long)k, (long long)vocab, dense ? "dense" : "no", top_k,
            top_p, per * ROUNDS);
     for (int l = 0; l < n_libs; l++) {
         qsort(times[l], (size_t)(per * ROUNDS), sizeof(double), by_value);

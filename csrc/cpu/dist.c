@@ -168,6 +168,58 @@ static double mass_bound_all(const sf_kernels *k, const sf_row *r, double stop) 
     return total;
 }
 
+/* Coupled sampling's race over a prepared row, split the same way: each part
+ * runs its range of tokens from the same start and the best of the parts'
+ * bests is the row's (the order of a race's tests cannot change its winner). */
+typedef struct race_ctx {
+    const sf_kernels *k;
+    const sf_row *row;
+    uint64_t seed;
+    int64_t position, per;
+    float best[SF_MAX_SPLIT];
+    int64_t id[SF_MAX_SPLIT];
+} race_ctx;
+
+static sf_status race_part(void *arg, int64_t part, sf_scratch *s) {
+    (void)s;
+    race_ctx *c = arg;
+    const int64_t lo = part * c->per, n = c->row->vocab;
+    if (lo < n)
+        c->k->coupled_race(c->row, c->seed, c->position, lo, n - lo < c->per ? n : lo + c->per,
+                           &c->best[part], &c->id[part]);
+    return SF_OK;
+}
+
+int32_t sf_dist_coupled(const sf_dist *d, const sf_kernels *k, uint64_t seed,
+                        int64_t position) {
+    const sf_row *r = &d->row;
+    /* Start from the most probable token (always kept): on a peaked row its
+     * key rules out most others before any of their noise is drawn. */
+    int64_t id = k->row_argmax(r->data, r->dtype, r->vocab, r->max, r->max_from);
+    float best = sf_gumbel(sf_noise_word(seed, position, id));
+    int parts = sf_parallel_width();
+    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
+    if (parts > 1 && r->vocab >= SF_SPLIT_VOCAB) {
+        /* Parts of whole 128-token steps (the race's unit). */
+        race_ctx c = {k, r, seed, position, ((r->vocab + parts - 1) / parts + 127) & ~(int64_t)127,
+                      {0}, {0}};
+        for (int i = 0; i < parts; i++) {
+            c.best[i] = best;
+            c.id[i] = id;
+        }
+        if (sf_parallel_split(parts, race_part, &c)) {
+            for (int i = 0; i < parts; i++)
+                if (c.best[i] > best || (c.best[i] == best && c.id[i] < id)) {
+                    best = c.best[i];
+                    id = c.id[i];
+                }
+            return (int32_t)id;
+        }
+    }
+    k->coupled_race(r, seed, position, 0, r->vocab, &best, &id);
+    return (int32_t)id;
+}
+
 /* Sort key of a candidate: ascending keys are (logit descending, id
  * ascending). -0 counts as +0, as the float comparisons of the cut do. */
 static uint64_t rank_key(float l, int32_t id) {
@@ -424,7 +476,7 @@ sf_status sf_row_greedy(const sf_kernels *k, const void *data, sf_dtype dtype,
     int bad = 0;
     const sf_row r = {.data = data, .dtype = dtype, .vocab = vocab};
     int64_t from;
-    float m = k->row_max(&r, &bad, &from);
+    float m = row_max_all(k, &r, 0.0f, 0.0, NULL, &bad, &from);
     if (bad) return SF_ERR_LOGITS;
     if (m == -INFINITY) return SF_ERR_ALL_MASKED;
     *token = (int32_t)k->row_argmax(data, dtype, vocab, m, from);

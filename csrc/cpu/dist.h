@@ -102,6 +102,11 @@ sf_status sf_dist_reject_dense(sf_dist *d, const sf_kernels *k, const float *q,
 sf_status sf_dist_resid_tries(const sf_dist *d, const sf_kernels *k, const float *q,
                               uint64_t seed, int64_t position, int32_t *token);
 
+/* Coupled sampling's token of a prepared row: the Gumbel-max over its kept
+ * tokens with noise at (seed, position) (sf_kernels.coupled_race). */
+int32_t sf_dist_coupled(const sf_dist *d, const sf_kernels *k, uint64_t seed,
+                        int64_t position);
+
 /* Inverse-CDF draw of one token with Philox at sf_draw_block(seed, position,
  * residual): residual where d is what rejecting drafts left. */
 int32_t sf_dist_draw(const sf_dist *d, const sf_kernels *k, uint64_t seed,

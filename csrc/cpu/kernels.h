@@ -96,9 +96,12 @@ typedef struct sf_kernels {
      * 2^40, about 6% above it at most. Returns early, with a partial sum
      * above `stop`, once the sum passes `stop`. Prefetches row->next. */
     double (*mass_bound)(const sf_row *row, double stop);
-    /* Gumbel-max over the kept tokens: argmax of (l - max) * inv_t + G(v),
-     * G from Philox at (seed, position, NOISE, v / 4); lowest id on ties. */
-    int64_t (*coupled_argmax)(const sf_row *row, uint64_t seed, int64_t position);
+    /* Gumbel-max over the kept tokens in [lo, hi) (lo a multiple of 128, hi
+     * too or the vocab): each whose key (l - max) * inv_t + G(v), G from
+     * Philox at (seed, position, NOISE, v / 4), beats (*best, *best_id)
+     * (larger key, or the same key and a lower id) replaces it. */
+    void (*coupled_race)(const sf_row *row, uint64_t seed, int64_t position, int64_t lo,
+                         int64_t hi, float *best, int64_t *best_id);
     /* Writes the ids and logits of tokens with lo <= l < hi (at most `cap`;
      * 0: none, a count only) and returns how many there are. */
     int64_t (*gather)(const sf_row *row, float lo, float hi, int32_t *ids,

@@ -385,7 +385,7 @@ static double mass_bound(const sf_row *r, double stop) {
 /* No Philox word gives Gumbel noise above this (sf_gumbel of word 0). */
 #define SF_GUMBEL_MAX 23.0f
 
-/* One 64-token group of coupled_argmax: its scaled logits and kept lanes. */
+/* One 64-token group of coupled_race: its scaled logits and kept lanes. */
 typedef struct noise_group {
     vf s[64 / SF_W];
     vi keep[64 / SF_W];
@@ -451,41 +451,36 @@ noise_group_best(const noise_group *g, int64_t i0, vu w[16 / SF_W][4], float *be
     }
 }
 
-static int64_t coupled_argmax(const sf_row *r, uint64_t seed, int64_t position) {
+static void coupled_race(const sf_row *r, uint64_t seed, int64_t position, int64_t lo,
+                         int64_t hi, float *best, int64_t *best_id) {
     /* 128 tokens at a time, two groups of 64: each group's 16 Philox blocks
      * give its noise words, SF_W blocks per vector call, and the two groups'
      * calls run side by side (one call's rounds are a chain of dependent
      * multiplies). */
     enum { CALLS = 16 / SF_W };
-    const int64_t n = r->vocab;
-    /* Start from the most probable token (always kept): on a peaked row its
-     * key rules out most others before any of their noise is drawn. */
-    int64_t best_id = row_argmax(r->data, r->dtype, n, r->max, r->max_from);
-    float best = sf_gumbel(sf_noise_word(seed, position, best_id));
     const vphilox_key key = vphilox_init(seed, position, SF_PURPOSE_NOISE);
     /* Rows without filters (most) skip the cut's tests, in a copy of the load. */
     const int filtered = r->cut_logit > -INFINITY || r->min_e > 0.0f;
-    for (int64_t i0 = 0; i0 < n && best <= SF_GUMBEL_MAX; i0 += 128) {
+    for (int64_t i0 = lo; i0 < hi && *best <= SF_GUMBEL_MAX; i0 += 128) {
         fetch_ahead(r->next, i0, 128);
         fetch_ahead(r->also, i0, 128);
         noise_group ga, gb;
         gb.live = 0;
         if (filtered) {
-            noise_group_load(r, 1, i0, best, &ga);
-            if (i0 + 64 < n) noise_group_load(r, 1, i0 + 64, best, &gb);
+            noise_group_load(r, 1, i0, *best, &ga);
+            if (i0 + 64 < hi) noise_group_load(r, 1, i0 + 64, *best, &gb);
         } else {
-            noise_group_load(r, 0, i0, best, &ga);
-            if (i0 + 64 < n) noise_group_load(r, 0, i0 + 64, best, &gb);
+            noise_group_load(r, 0, i0, *best, &ga);
+            if (i0 + 64 < hi) noise_group_load(r, 0, i0 + 64, *best, &gb);
         }
         if (!ga.live && !gb.live) continue;
         vu wa[CALLS][4], wb[CALLS][4];
         for (int h = 0; h < CALLS; h++)
             vphilox2(&key, (vu)vi_iota((int32_t)((i0 >> 6) * 16 + h * SF_W)),
                      (vu)vi_iota((int32_t)((i0 >> 6) * 16 + 16 + h * SF_W)), wa[h], wb[h]);
-        if (ga.live) noise_group_best(&ga, i0, wa, &best, &best_id);
-        if (gb.live) noise_group_best(&gb, i0 + 64, wb, &best, &best_id);
+        if (ga.live) noise_group_best(&ga, i0, wa, best, best_id);
+        if (gb.live) noise_group_best(&gb, i0 + 64, wb, best, best_id);
     }
-    return best_id;
 }
 
 static int64_t gather(const sf_row *r, float lo, float hi, int32_t *ids,
@@ -592,6 +587,6 @@ static int64_t topk(const sf_row *r, int64_t k, float bar, int32_t *ids, float *
 }
 
 const sf_kernels SF_TABLE = {
-    SF_TABLE_NAME, row_max, row_max_sum, row_argmax, weights, mass_bound, coupled_argmax,
+    SF_TABLE_NAME, row_max, row_max_sum, row_argmax, weights, mass_bound, coupled_race,
     gather, topk,
 };

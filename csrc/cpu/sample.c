@@ -25,7 +25,7 @@ static sf_status sample_one(void *arg, int64_t b, sf_scratch *s) {
                                    (sf_ahead){NULL, 0}, INFINITY, NULL);
     if (st != SF_OK) return st;
     c->tokens[b] = c->method == SF_COUPLED
-                       ? (int32_t)c->k->coupled_argmax(&d.row, p.seed, p.position)
+                       ? sf_dist_coupled(&d, c->k, p.seed, p.position)
                        : sf_dist_draw(&d, c->k, p.seed, p.position, 0);
     return SF_OK;
 }

@@ -105,7 +105,7 @@ static sf_status verify_one(void *arg, int64_t b, sf_scratch *s) {
                  * rest meanwhile. */
                 d.row.next = ahead;
                 d.row.also = child.data ? upcoming : (sf_ahead){NULL, 0};
-                if (st == SF_OK) emit = (int32_t)c->k->coupled_argmax(&d.row, p.seed, pos);
+                if (st == SF_OK) emit = sf_dist_coupled(&d, c->k, p.seed, pos);
             }
             if (st != SF_OK) return st;
             for (int32_t ch = first[cur + 1]; ch >= 0; ch = next[ch])

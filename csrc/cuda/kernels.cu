@@ -756,7 +756,7 @@ __device__ int sf_cu_prepare(sf_cu_dist &d, const sf_cu_span &sp, const sf_cu_pa
     return SF_OK;
 }
 
-/* Gumbel-max over the kept tokens (coupled_argmax of kernels_impl.h). Thread
+/* Gumbel-max over the kept tokens (coupled_race of kernels_impl.h). Thread
  * item g = 16 s + lane holds tokens 64 s + 16 c + lane, c = 0..3: the four
  * words of one Philox call. */
 template <int DT>
