@@ -220,6 +220,38 @@ int32_t sf_dist_coupled(const sf_dist *d, const sf_kernels *k, uint64_t seed,
     return (int32_t)id;
 }
 
+/* probs' output scaled in parts the same way. */
+typedef struct scale_ctx {
+    const sf_kernels *k;
+    float *out;
+    int64_t n, per;
+    double inv;
+} scale_ctx;
+
+static sf_status scale_part(void *arg, int64_t part, sf_scratch *s) {
+    (void)s;
+    scale_ctx *c = arg;
+    const int64_t lo = part * c->per;
+    if (lo < c->n) c->k->scale_weights(c->out + lo, c->n - lo < c->per ? c->n - lo : c->per,
+                                       c->inv);
+    return SF_OK;
+}
+
+void sf_dist_probs(sf_dist *d, const sf_kernels *k, float *out) {
+    /* The pass stores each kept token's e; its weight is then exact. */
+    sf_weights_out o;
+    weights_all(k, &d->row, &d->in, NULL, out, &o);
+    const int64_t n = d->row.vocab;
+    scale_ctx c = {k, out, n, n, 1.0 / (double)o.total};
+    int parts = sf_parallel_width();
+    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
+    if (parts > 1 && n >= SF_SPLIT_VOCAB) {
+        c.per = ((n + parts - 1) / parts + 63) & ~(int64_t)63;
+        if (sf_parallel_split(parts, scale_part, &c)) return;
+    }
+    k->scale_weights(out, n, c.inv);
+}
+
 /* Sort key of a candidate: ascending keys are (logit descending, id
  * ascending). -0 counts as +0, as the float comparisons of the cut do. */
 static uint64_t rank_key(float l, int32_t id) {

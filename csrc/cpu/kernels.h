@@ -116,6 +116,9 @@ typedef struct sf_kernels {
      * row->next_until. */
     int64_t (*topk)(const sf_row *row, int64_t k, float bar, int32_t *ids, float *vals,
                     int64_t cap, int *bad);
+    /* In place, each of n values r in [0, 1] becomes float(sf_fixed(r) * inv)
+     * (the product in double): a weight over its total. */
+    void (*scale_weights)(float *r, int64_t n, double inv);
 } sf_kernels;
 
 extern const sf_kernels sf_kernels_scalar;

@@ -586,7 +586,21 @@ static int64_t topk(const sf_row *r, int64_t k, float bar, int32_t *ids, float *
     return count;
 }
 
+static void scale_weights(float *r, int64_t n, double inv) {
+    typedef double vd SF_VEC(double);
+    for (int64_t i = 0; i < n; i += SF_W) {
+        /* floor(r 2^40) in float: exact, by an int32 conversion below 2^23,
+         * above which a float is whole. */
+        vf x = load_floats(r, i, n) * SF_MASS_ONE;
+        vf w = vsel(x < 8388608.0f, __builtin_convertvector(__builtin_convertvector(x, vi), vf),
+                    x);
+        vf p = __builtin_convertvector(__builtin_convertvector(w, vd) * inv, vf);
+        if (i + SF_W <= n) vstore(r + i, p);
+        else for (int j = 0; i + j < n; j++) r[i + j] = p[j];
+    }
+}
+
 const sf_kernels SF_TABLE = {
     SF_TABLE_NAME, row_max, row_max_sum, row_argmax, weights, mass_bound, coupled_race,
-    gather, topk,
+    gather, topk, scale_weights,
 };

@@ -46,15 +46,10 @@ static sf_status probs_one(void *arg, int64_t b, sf_scratch *s) {
         return SF_OK;
     }
     sf_dist d = {.n_over = 0};
-    sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 1,
+    sf_status st = sf_dist_prepare(&d, c->k, s, row, c->logits->dtype, vocab, &p, 0,
                                    (sf_ahead){NULL, 0}, INFINITY, NULL);
-    if (st != SF_OK) return st;
-    /* The pass stores each kept token's e; its weight is then exact. */
-    sf_weights_out o;
-    c->k->weights(&d.row, &d.in, NULL, out, &o);
-    const double inv = 1.0 / (double)d.total;
-    for (int64_t v = 0; v < vocab; v++) out[v] = (float)((double)sf_fixed(out[v]) * inv);
-    return SF_OK;
+    if (st == SF_OK) sf_dist_probs(&d, c->k, out);
+    return st;
 }
 
 static sf_status run_rows(const sf_logits *logits, const sf_params *params,
