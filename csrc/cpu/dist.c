@@ -420,12 +420,16 @@ static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float 
         if (b == lowest || (double)(above + in_b) >= goal) break;
         above += in_b;
     }
-    /* The bucket's tokens, with their logits. */
-    int64_t c = 0;
-    for (int64_t i = 0; i < m; i++) {
-        if (sf_f2u(vals[i]) >> SF_TOP_P_SHIFT != b) continue;
-        ids[c] = ids[i];
-        vals[c++] = sf_load(r->data, r->dtype, ids[i]);
+    /* The bucket's tokens, with their logits: their places among the m by a
+     * gather over their e (into e's buffer, free now), then their ids (in
+     * place: the c-th place is c or later). */
+    const sf_row mr = {.data = vals, .dtype = SF_F32, .vocab = m};
+    int32_t *at = (int32_t *)e;
+    const int64_t c = k->gather(&mr, sf_u2f(b << SF_TOP_P_SHIFT),
+                                sf_u2f((b + 1) << SF_TOP_P_SHIFT), at, vals, m);
+    for (int64_t i = 0; i < c; i++) {
+        ids[i] = ids[at[i]];
+        vals[i] = sf_load(r->data, r->dtype, ids[i]);
     }
     uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)c * 16 + 8);
     if (!keys) return SF_ERR_NO_MEMORY;
