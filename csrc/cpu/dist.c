@@ -38,13 +38,24 @@
  * prefetch of the child's row. */
 #define SF_REF_REJECT 1.07
 
+/* The parts a lone request's pass over n tokens is split into: the pool's
+ * width (at most SF_MAX_SPLIT) from `from` tokens on, else 1. A part's
+ * tokens, *per, are a multiple of `unit`. */
+static int split_parts(int64_t n, int64_t from, int64_t unit, int64_t *per) {
+    int parts = sf_parallel_width();
+    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
+    if (parts < 2 || n < from) return 1;
+    *per = ((n + parts - 1) / parts + unit - 1) / unit * unit;
+    return parts;
+}
+
 typedef struct split_ctx {
     const sf_kernels *k;
     const sf_row *row;
     sf_weights_in in;
     uint64_t *blocks;
     float *resid;
-    int64_t per;
+    int64_t per; /* blocks a part */
     sf_weights_out out[SF_MAX_SPLIT];
 } split_ctx;
 
@@ -68,11 +79,10 @@ static sf_status split_part(void *arg, int64_t part, sf_scratch *s) {
  * the pool idle. Integer sums make the split invisible in the result. */
 static void weights_all(const sf_kernels *k, const sf_row *r, const sf_weights_in *in,
                         uint64_t *blocks, float *resid, sf_weights_out *out) {
-    int parts = sf_parallel_width();
-    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
-    if (parts > 1 && r->vocab >= SF_SPLIT_VOCAB) {
-        const int64_t nb = (r->vocab + SF_BLOCK - 1) / SF_BLOCK;
-        split_ctx c = {k, r, *in, blocks, resid, (nb + parts - 1) / parts, {{0}}};
+    int64_t per;
+    const int parts = split_parts(r->vocab, SF_SPLIT_VOCAB, SF_BLOCK, &per);
+    if (parts > 1) {
+        split_ctx c = {k, r, *in, blocks, resid, per / SF_BLOCK, {{0}}};
         if (sf_parallel_split(parts, split_part, &c)) {
             *out = (sf_weights_out){0, 0, 0.0, 0};
             for (int i = 0; i < parts; i++) {
@@ -131,12 +141,9 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
 
 /* Splits the pass when a lone request leaves the pool idle; 0 when not. */
 static int range_split(range_ctx *c) {
-    int parts = sf_parallel_width();
-    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
-    if (parts < 2 || c->row->vocab < SF_SPLIT_VOCAB_CHEAP) return 0;
     /* Whole SIMD-friendly chunks per part. */
-    c->per = ((c->row->vocab + parts - 1) / parts + 63) & ~(int64_t)63;
-    return sf_parallel_split(parts, range_part, c);
+    const int parts = split_parts(c->row->vocab, SF_SPLIT_VOCAB_CHEAP, 64, &c->per);
+    return parts > 1 && sf_parallel_split(parts, range_part, c);
 }
 
 /* The max pass (k->row_max, or with `sum` k->row_max_sum from ref and stop)
@@ -197,12 +204,11 @@ int32_t sf_dist_coupled(const sf_dist *d, const sf_kernels *k, uint64_t seed,
      * key rules out most others before any of their noise is drawn. */
     int64_t id = k->row_argmax(r->data, r->dtype, r->vocab, r->max, r->max_from);
     float best = sf_gumbel(sf_noise_word(seed, position, id));
-    int parts = sf_parallel_width();
-    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
-    if (parts > 1 && r->vocab >= SF_SPLIT_VOCAB) {
-        /* Parts of whole 128-token steps (the race's unit). */
-        race_ctx c = {k, r, seed, position, ((r->vocab + parts - 1) / parts + 127) & ~(int64_t)127,
-                      {0}, {0}};
+    /* Parts of whole 128-token steps (the race's unit). */
+    int64_t per;
+    const int parts = split_parts(r->vocab, SF_SPLIT_VOCAB, 128, &per);
+    if (parts > 1) {
+        race_ctx c = {k, r, seed, position, per, {0}, {0}};
         for (int i = 0; i < parts; i++) {
             c.best[i] = best;
             c.id[i] = id;
@@ -243,12 +249,8 @@ void sf_dist_probs(sf_dist *d, const sf_kernels *k, float *out) {
     weights_all(k, &d->row, &d->in, NULL, out, &o);
     const int64_t n = d->row.vocab;
     scale_ctx c = {k, out, n, n, 1.0 / (double)o.total};
-    int parts = sf_parallel_width();
-    if (parts > SF_MAX_SPLIT) parts = SF_MAX_SPLIT;
-    if (parts > 1 && n >= SF_SPLIT_VOCAB) {
-        c.per = ((n + parts - 1) / parts + 63) & ~(int64_t)63;
-        if (sf_parallel_split(parts, scale_part, &c)) return;
-    }
+    const int parts = split_parts(n, SF_SPLIT_VOCAB, 64, &c.per);
+    if (parts > 1 && sf_parallel_split(parts, scale_part, &c)) return;
     k->scale_weights(out, n, c.inv);
 }
 
