@@ -496,8 +496,23 @@ static int64_t gather(const sf_row *r, float lo, float hi, int32_t *ids,
         for (int j = 0; j < SF_W; j++) total += (uint32_t)count[j];
         return total;
     }
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; i += SF_W) {
+    int64_t count = 0, i = 0;
+    /* Four vectors a test while their hits surely fit: a branch per vector
+     * mispredicts wherever hits are neither rare nor common. */
+    for (; i + 4 * SF_W <= n && count + 4 * SF_W <= cap; i += 4 * SF_W) {
+        vf x[4];
+        vi hit[4], any = vi_set(0);
+        for (int c = 0; c < 4; c++) {
+            x[c] = load_full(r->data, r->dtype, i + c * SF_W);
+            hit[c] = (x[c] >= lo) & (x[c] < hi);
+            any |= hit[c];
+        }
+        if (!vany(any)) continue;
+        for (int c = 0; c < 4; c++)
+            count += vcompress(hit[c], x[c], vi_iota((int32_t)(i + c * SF_W)), vals + count,
+                               ids + count);
+    }
+    for (; i < n; i += SF_W) {
         vf x = load_chunk(r->data, r->dtype, i, n);
         vi hit = (x >= lo) & (x < hi);
         if (!vany(hit)) continue;
@@ -589,10 +604,13 @@ static int64_t topk(const sf_row *r, int64_t k, float bar, int32_t *ids, float *
 static void scale_weights(float *r, int64_t n, double inv) {
     typedef double vd SF_VEC(double);
     for (int64_t i = 0; i < n; i += SF_W) {
-        /* floor(r 2^40) in float: exact, by an int32 conversion below 2^23,
-         * above which a float is whole. */
+        /* floor(r 2^40) in float: exact, by an int32 conversion below 2^23
+         * (only there: past 2^31 it would overflow), above which a float is
+         * whole. */
         vf x = load_floats(r, i, n) * SF_MASS_ONE;
-        vf w = vsel(x < 8388608.0f, __builtin_convertvector(__builtin_convertvector(x, vi), vf),
+        vi small = x < 8388608.0f;
+        vf w = vsel(small, __builtin_convertvector(
+                               __builtin_convertvector(vsel(small, x, vf_set(0.0f)), vi), vf),
                     x);
         vf p = __builtin_convertvector(__builtin_convertvector(w, vd) * inv, vf);
         if (i + SF_W <= n) vstore(r + i, p);

@@ -66,8 +66,11 @@ SF_INLINE int vcompress(vi m, vf x, vi ids, float *vals, int32_t *out) {
     return __builtin_popcount(k);
 #else
     int c = 0;
-    for (int j = 0; j < SF_W; j++)
-        if (m[j]) { vals[c] = x[j]; out[c] = ids[j]; c++; }
+    for (int j = 0; j < SF_W; j++) { /* no branch: a lane's hit is a coin toss */
+        vals[c] = x[j];
+        out[c] = ids[j];
+        c -= m[j];
+    }
     return c;
 #endif
 }
