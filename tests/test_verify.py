@@ -35,6 +35,7 @@ from reference import (
     ref_probs_row,
     request_slices,
     safe_params,
+    safe_top_p,
     simulate_coupled,
     sparse_to_dense,
     to_dtype,
@@ -662,6 +663,59 @@ def test_acceptance_near_the_bound_margin_is_the_exact_test(kind, lone, dtype, r
     else:
         got = sf.verify(rows, tokens, np.ones(n, np.int32), draft_probs=q, seed=seeds,
                         position=positions).num_accepted
+    assert keep.sum() > n // 2
+    np.testing.assert_array_equal(np.asarray(got)[keep] == 1, want[keep])
+    assert 0 < want[keep].sum() < keep.sum()
+
+
+@pytest.mark.parametrize("lone", [True, False], ids=["lone", "batch"])
+@pytest.mark.parametrize("kind", ["none", "dense"])
+def test_acceptance_under_top_p_alone_is_the_exact_test(kind, lone, rng):
+    """Under top_p alone the first draft's acceptance is decided from the mass the
+    cut keeps, which the search for the cut sums exactly (no pass of its own): it
+    must still be u q(x) < p(x), p over the kept tokens. Each row's x is set so that
+    p(x) lies a relative 1e-5 to 1e-2 above or below u q(x) (with the cut moving as
+    x does), and every decision is checked against u and p(x) in float64."""
+    vocab, n = 40_003, 48
+    seeds = rng.integers(0, 2**63, n).astype(np.uint64)
+    positions = rng.integers(0, 2**40, n).astype(np.int64)
+    rows = (rng.standard_normal((2 * n, vocab)) * 2.0).astype(np.float32)
+    x = rng.integers(0, vocab, n)
+    qx = 0.6 if kind == "dense" else 1.0
+    rel = rng.choice([1e-5, 1e-4, 5e-4, 1e-3, 2e-3, 1e-2], n) * rng.choice([-1, 1], n)
+    top_p = np.full(n, 0.9)
+    want = np.zeros(n, bool)
+    keep = np.zeros(n, bool)
+    for i in range(n):
+        u = accept_uniform(int(seeds[i]), int(positions[i]))
+        target = u * qx * (1 + rel[i])  # p(x) to aim at
+        if not 1e-3 < target < 0.8:
+            continue
+        row = rows[2 * i]
+        for _ in range(4):  # x's own mass moves the cut: aim again from the kept set
+            top_p[i] = safe_top_p(row, 1.0, 0, 0.9)
+            p = ref_probs_row(row, top_p=top_p[i])
+            e = np.exp(as_f64(row) - as_f64(row).max())
+            rest = e[p > 0].sum() - e[x[i]] * (p[x[i]] > 0)
+            row[x[i]] = np.float32(row.max() + np.log(target / (1 - target) * rest))
+        top_p[i] = safe_top_p(row, 1.0, 0, 0.9)
+        p_x = ref_probs_row(row, top_p=top_p[i])[x[i]]
+        if not p_x > 0 or abs(u * qx - p_x) < 3e-6 * p_x:  # too close for float32 to say
+            continue
+        want[i], keep[i] = u * qx < p_x, True
+    q = None
+    if kind == "dense":
+        q = np.full((n, vocab), (1 - qx) / (vocab - 1), np.float32)
+        q[np.arange(n), x] = qx
+    tokens, tp = x.astype(np.int32), top_p.astype(np.float32)
+    if lone:
+        got = np.array([sf.verify(rows[2 * i:2 * i + 2], tokens[i:i + 1], np.ones(1, np.int32),
+                                  draft_probs=None if q is None else q[i:i + 1],
+                                  seed=seeds[i:i + 1], position=positions[i:i + 1],
+                                  top_p=tp[i]).num_accepted[0] for i in range(n)])
+    else:
+        got = sf.verify(rows, tokens, np.ones(n, np.int32), draft_probs=q, seed=seeds,
+                        position=positions, top_p=tp).num_accepted
     assert keep.sum() > n // 2
     np.testing.assert_array_equal(np.asarray(got)[keep] == 1, want[keep])
     assert 0 < want[keep].sum() < keep.sum()

@@ -348,10 +348,11 @@ static uint64_t mass_of(const sf_row *r, float l) {
 
 /* Walks sorted candidates after a prefix of `base_mass` and `base_count`
  * until the prefix reaches the goal (a mass, or a count when goal_count > 0);
- * sets the cut there. Returns 1 when it did. */
-static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n, uint64_t base_mass,
+ * sets the cut there. Returns 1 when it did; a mass goal's prefix then ends
+ * at the cut (the mass the cut keeps). */
+static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n, uint64_t *base_mass,
                        int64_t base_count, double goal_mass, int64_t goal_count) {
-    uint64_t prefix = base_mass, w = 0;
+    uint64_t prefix = base_mass ? *base_mass : 0, w = 0;
     float last = NAN; /* ties share their weight: one exp a logit */
     for (int64_t i = 0; i < n; i++) {
         int reached;
@@ -366,6 +367,7 @@ static int cut_at_goal(sf_row *r, const uint64_t *keys, int64_t n, uint64_t base
         if (reached) {
             r->cut_logit = key_logit(keys[i]);
             r->cut_id = key_id(keys[i]);
+            if (base_mass) *base_mass = prefix;
             return 1;
         }
     }
@@ -386,8 +388,10 @@ static int64_t count_above(const sf_kernels *k, const sf_row *r, float t) {
  * the masses are exact integers. Only tokens of weight w_min or more are
  * summed: the others, fewer than the vocabulary, hold less than the mass
  * past the goal, and rank after all of them (e is monotone), so the prefix
- * reaches the goal first. On a model's row that leaves few tokens. */
-static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float top_p) {
+ * reaches the goal first. On a model's row that leaves few tokens. *kept is
+ * the exact mass the cut keeps (0 where the walk found no cut). */
+static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float top_p,
+                           uint64_t *kept) {
     const int64_t n = r->vocab;
     const size_t e_bytes = ((size_t)n * 4 + 63) & ~(size_t)63;
     char *buf = sf_scratch_get(s, SF_SLOT_CUT, e_bytes + SF_TOP_P_BUCKETS * 32);
@@ -436,7 +440,7 @@ static sf_status cut_top_p(sf_row *r, const sf_kernels *k, sf_scratch *s, float 
     uint64_t *keys = sf_scratch_get(s, SF_SLOT_KEYS, (size_t)c * 16 + 8);
     if (!keys) return SF_ERR_NO_MEMORY;
     sort_candidates(ids, vals, c, keys, 1);
-    cut_at_goal(r, keys, c, above, 0, goal, 0);
+    *kept = cut_at_goal(r, keys, c, &above, 0, goal, 0) ? above : 0;
     return SF_OK;
 }
 
@@ -505,7 +509,7 @@ static sf_status cut_scan(sf_row *r, const sf_kernels *k, sf_scratch *s, int64_t
     int64_t got = k->gather(r, b.lo, b.hi, ids, vals, n);
     if (got > n) got = n;
     sort_candidates(ids, vals, got, keys, 1);
-    cut_at_goal(r, keys, got, 0, b.c_hi, 0.0, goal_count);
+    cut_at_goal(r, keys, got, NULL, b.c_hi, 0.0, goal_count);
     return SF_OK;
 }
 
@@ -542,6 +546,7 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
     int bad = 0;
     float m;
     int64_t nc = -1; /* sorted top-k candidates, when the reservoir ran */
+    uint64_t top_p_kept = 0;
     uint64_t *keys = NULL;
     if (p->top_k > 0 && p->top_k < vocab && p->top_k <= SF_TOP_K_RESERVOIR) {
         /* The reservoir's best candidate is the max: one pass for both. */
@@ -595,16 +600,17 @@ sf_status sf_dist_prepare(sf_dist *d, const sf_kernels *k, sf_scratch *s,
         if (nc >= 0) {
             uint64_t total = 0;
             for (int64_t i = 0; i < nc; i++) total += mass_of(r, key_logit(keys[i]));
-            cut_at_goal(r, keys, nc, 0, 0, (double)p->top_p * (double)total, 0);
+            cut_at_goal(r, keys, nc, NULL, 0, (double)p->top_p * (double)total, 0);
         } else {
-            sf_status st = cut_top_p(r, k, s, p->top_p);
+            sf_status st = cut_top_p(r, k, s, p->top_p, &top_p_kept);
             if (st != SF_OK) return st;
         }
     }
     r->min_e = p->min_p;
-    /* With the top-k candidates in hand the kept tokens are among them: their
-     * exact total needs no pass over the row. */
-    d->known_total = 0;
+    /* With the top-k candidates in hand the kept tokens are among them, and
+     * top_p's walk summed the mass it keeps: the exact total needs no pass
+     * over the row (unless min_p drops more). */
+    d->known_total = r->min_e > 0.0f ? 0 : top_p_kept;
     if (nc >= 0) {
         const uint64_t last =
             r->cut_logit > -INFINITY ? rank_key(r->cut_logit, r->cut_id) : UINT64_MAX;
