@@ -650,19 +650,28 @@ def test_acceptance_near_the_bound_margin_is_the_exact_test(kind, lone, dtype, r
         if abs(u * qx - p_x) < 3e-6 * p_x:  # too close for float32 logits to say
             continue
         want[i], keep[i] = u * qx < p_x, True
+    check_first_decisions(rows, x, qx, seeds, positions, lone, want, keep)
+
+
+def check_first_decisions(rows, x, qx, seeds, positions, lone, want, keep, top_p=None):
+    """Request i (target rows 2i and 2i + 1, one draft x[i]; a dense q of qx at x[i]
+    where qx < 1) accepts its draft exactly where want[i], among the requests
+    `keep` marks: the requests in one call, or (lone) one call each."""
+    n, vocab = x.shape[0], rows.shape[1]
     q = None
-    if kind == "dense":
+    if qx < 1.0:
         q = np.full((n, vocab), (1 - qx) / (vocab - 1), np.float32)
         q[np.arange(n), x] = qx
     tokens = x.astype(np.int32)
+    tp = np.ones(n, np.float32) if top_p is None else np.asarray(top_p, np.float32)
     if lone:
         got = np.array([sf.verify(rows[2 * i:2 * i + 2], tokens[i:i + 1], np.ones(1, np.int32),
                                   draft_probs=None if q is None else q[i:i + 1],
-                                  seed=seeds[i:i + 1], position=positions[i:i + 1])
-                        .num_accepted[0] for i in range(n)])
+                                  seed=seeds[i:i + 1], position=positions[i:i + 1],
+                                  top_p=tp[i]).num_accepted[0] for i in range(n)])
     else:
         got = sf.verify(rows, tokens, np.ones(n, np.int32), draft_probs=q, seed=seeds,
-                        position=positions).num_accepted
+                        position=positions, top_p=tp).num_accepted
     assert keep.sum() > n // 2
     np.testing.assert_array_equal(np.asarray(got)[keep] == 1, want[keep])
     assert 0 < want[keep].sum() < keep.sum()
@@ -703,22 +712,7 @@ def test_acceptance_under_top_p_alone_is_the_exact_test(kind, lone, rng):
         if not p_x > 0 or abs(u * qx - p_x) < 3e-6 * p_x:  # too close for float32 to say
             continue
         want[i], keep[i] = u * qx < p_x, True
-    q = None
-    if kind == "dense":
-        q = np.full((n, vocab), (1 - qx) / (vocab - 1), np.float32)
-        q[np.arange(n), x] = qx
-    tokens, tp = x.astype(np.int32), top_p.astype(np.float32)
-    if lone:
-        got = np.array([sf.verify(rows[2 * i:2 * i + 2], tokens[i:i + 1], np.ones(1, np.int32),
-                                  draft_probs=None if q is None else q[i:i + 1],
-                                  seed=seeds[i:i + 1], position=positions[i:i + 1],
-                                  top_p=tp[i]).num_accepted[0] for i in range(n)])
-    else:
-        got = sf.verify(rows, tokens, np.ones(n, np.int32), draft_probs=q, seed=seeds,
-                        position=positions, top_p=tp).num_accepted
-    assert keep.sum() > n // 2
-    np.testing.assert_array_equal(np.asarray(got)[keep] == 1, want[keep])
-    assert 0 < want[keep].sum() < keep.sum()
+    check_first_decisions(rows, x, qx, seeds, positions, lone, want, keep, top_p)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
