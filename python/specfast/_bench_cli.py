@@ -54,7 +54,7 @@ DTYPES = ("float32", "bfloat16")
 # (method, draft-prob kind); coupled verification ignores q, so it has one kind.
 METHOD_KINDS = (("rejection", "none"), ("rejection", "dense"), ("rejection", "sparse"),
                 ("coupled", "none"))
-FILTERS = {"none": {}, "topk50-topp0.9": {"top_k": 50, "top_p": 0.9}}
+FILTERS = {"none": {}, "topk50-topp0.9": {"top_k": 50, "top_p": 0.9}, "topp0.9": {"top_p": 0.9}}
 IMPLS = ("specfast", "numpy.max", "torch")
 SPARSE_K = 8  # ids per sparse draft distribution
 MAX_GB = 3.0  # skip cases whose inputs (target logits + dense q) exceed this
@@ -597,7 +597,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     case("--method", "verification method", choices=["rejection", "coupled"])
     case("--draft-probs", "the kind of q for rejection (coupled always runs without q)",
          choices=["none", "dense", "sparse"])
-    case("--filters", "none, or top_k=50 and top_p=0.9", choices=list(FILTERS))
+    case("--filters", "none, top_k=50 and top_p=0.9, or top_p=0.9 alone", choices=list(FILTERS))
     case("--source", "the drafter: correlated with the target, or independent of it",
          choices=["correlated", "independent"])
     a("--impl", nargs="+", default=None, choices=list(IMPLS),
