@@ -49,6 +49,13 @@ static int split_parts(int64_t n, int64_t from, int64_t unit, int64_t *per) {
     return parts;
 }
 
+/* Part `part`'s first token (*lo) and how many tokens it takes: `per`, fewer
+ * at the row's end, 0 past it. */
+static int64_t part_len(int64_t part, int64_t per, int64_t n, int64_t *lo) {
+    *lo = part * per;
+    return *lo >= n ? 0 : (n - *lo < per ? n - *lo : per);
+}
+
 typedef struct split_ctx {
     const sf_kernels *k;
     const sf_row *row;
@@ -116,8 +123,8 @@ static sf_status range_part(void *arg, int64_t part, sf_scratch *s) {
     (void)s;
     range_ctx *c = arg;
     const sf_row *r = c->row;
-    const int64_t lo = part * c->per;
-    const int64_t n = lo >= r->vocab ? 0 : (r->vocab - lo < c->per ? r->vocab - lo : c->per);
+    int64_t lo;
+    const int64_t n = part_len(part, c->per, r->vocab, &lo);
     c->max[part] = -INFINITY;
     c->from[part] = lo;
     c->bad[part] = 0;
@@ -190,10 +197,11 @@ typedef struct race_ctx {
 static sf_status race_part(void *arg, int64_t part, sf_scratch *s) {
     (void)s;
     race_ctx *c = arg;
-    const int64_t lo = part * c->per, n = c->row->vocab;
-    if (lo < n)
-        c->k->coupled_race(c->row, c->seed, c->position, lo, n - lo < c->per ? n : lo + c->per,
-                           &c->best[part], &c->id[part]);
+    int64_t lo;
+    const int64_t n = part_len(part, c->per, c->row->vocab, &lo);
+    if (n > 0)
+        c->k->coupled_race(c->row, c->seed, c->position, lo, lo + n, &c->best[part],
+                           &c->id[part]);
     return SF_OK;
 }
 
@@ -237,13 +245,13 @@ typedef struct scale_ctx {
 static sf_status scale_part(void *arg, int64_t part, sf_scratch *s) {
     (void)s;
     scale_ctx *c = arg;
-    const int64_t lo = part * c->per;
-    if (lo < c->n) c->k->scale_weights(c->out + lo, c->n - lo < c->per ? c->n - lo : c->per,
-                                       c->inv);
+    int64_t lo;
+    const int64_t n = part_len(part, c->per, c->n, &lo);
+    if (n > 0) c->k->scale_weights(c->out + lo, n, c->inv);
     return SF_OK;
 }
 
-void sf_dist_probs(sf_dist *d, const sf_kernels *k, float *out) {
+void sf_dist_probs(const sf_dist *d, const sf_kernels *k, float *out) {
     /* The pass stores each kept token's e; its weight is then exact. */
     sf_weights_out o;
     weights_all(k, &d->row, &d->in, NULL, out, &o);

@@ -108,7 +108,7 @@ int32_t sf_dist_coupled(const sf_dist *d, const sf_kernels *k, uint64_t seed,
                         int64_t position);
 
 /* p(v) of a prepared row (its mass not formed) into out[0, vocab). */
-void sf_dist_probs(sf_dist *d, const sf_kernels *k, float *out);
+void sf_dist_probs(const sf_dist *d, const sf_kernels *k, float *out);
 
 /* Inverse-CDF draw of one token with Philox at sf_draw_block(seed, position,
  * residual): residual where d is what rejecting drafts left. */

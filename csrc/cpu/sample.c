@@ -1,7 +1,6 @@
 /* sample.c: sf_sample and sf_probs on the CPU, one row per task. */
 #include "../common/params.h"
 #include "dist.h"
-#include "rowmath.h"
 
 typedef struct row_ctx {
     const sf_logits *logits;
